@@ -1,0 +1,60 @@
+"""localrun: one Python API over the local LLM inference engines.
+
+    import localrun
+    with localrun.load("smollm2:135m") as model:
+        print(model.chat("What is 2+2?", temperature=0).text)
+
+Importing localrun imports no engine; engines load inside ``load()``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from localrun.errors import (
+    ContextOverflowError,
+    EngineNotInstalledError,
+    FormatMismatchError,
+    InvalidSamplingError,
+    LocalrunError,
+    ModelFileError,
+    UnknownModelError,
+)
+from localrun.types import CancelToken, Chunk, Completion, Message, ModelInfo, Timings, Usage
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from localrun.api import Model, Stream, load
+
+__all__ = [
+    "CancelToken",
+    "Chunk",
+    "Completion",
+    "ContextOverflowError",
+    "EngineNotInstalledError",
+    "FormatMismatchError",
+    "InvalidSamplingError",
+    "LocalrunError",
+    "Message",
+    "Model",
+    "ModelFileError",
+    "ModelInfo",
+    "Stream",
+    "Timings",
+    "UnknownModelError",
+    "Usage",
+    "__version__",
+    "load",
+]
+
+_LAZY = {"load": "localrun.api", "Model": "localrun.api", "Stream": "localrun.api"}
+
+
+def __getattr__(name: str) -> Any:
+    # api pulls in jinja2 (templates) lazily too; keep `import localrun` minimal.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'localrun' has no attribute {name!r}")

@@ -1,0 +1,304 @@
+"""The public API: ``load()`` and :class:`Model`.
+
+Everything an engine lacks is built here once: stop strings, usage on streams,
+timings, a queue so that several threads can share a Model, cancellation between
+tokens, and the model's own sampling defaults.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from localrun.backends.base import GenerationStats, Prompt, Session
+from localrun.errors import (
+    ContextOverflowError,
+    GenerationError,
+    LocalrunError,
+    ModelBusyError,
+    ModelClosedError,
+)
+from localrun.sampling import ResolvedSampling, make_sampling, resolve
+
+__all__ = ["Model", "Stream", "load", "make_sampling"]
+from localrun.stopping import StopMatcher
+from localrun.templates import normalize_messages
+from localrun.types import CancelToken, Chunk, Completion, Message, ModelInfo, Timings, Usage
+
+
+class Stream:
+    """An iterator of :class:`Chunk` for one reply; the last chunk carries usage.
+
+    ``cancel()`` stops generation from any thread; ``completion`` holds the whole
+    reply once the stream has ended. Closing it early (or leaving a ``with`` block)
+    frees the Model for the next call.
+    """
+
+    def __init__(self, chunks: Iterator[Chunk], cancel: CancelToken) -> None:
+        self._chunks = chunks
+        self._cancel = cancel
+        self._parts: list[str] = []
+        self.completion: Completion | None = None
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Chunk:
+        chunk = next(self._chunks)
+        self._parts.append(chunk.text)
+        if chunk.finish_reason is not None:
+            assert chunk.usage is not None and chunk.timings is not None
+            self.completion = Completion(
+                "".join(self._parts), chunk.finish_reason, chunk.usage, chunk.timings
+            )
+        return chunk
+
+    def cancel(self) -> None:
+        self._cancel.cancel()
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def join(self) -> Completion:
+        """Consume the rest of the stream and return the whole Completion."""
+        for _ in self:
+            pass
+        assert self.completion is not None
+        return self.completion
+
+
+class Model:
+    """A loaded model. Safe to share between threads: calls queue up, one runs at a time."""
+
+    def __init__(self, session: Session) -> None:
+        self._session: Session | None = session
+        self.info: ModelInfo = session.info
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    # -- public API -------------------------------------------------------------------
+
+    def chat(
+        self,
+        messages: str | Sequence[Message],
+        *,
+        cancel: CancelToken | None = None,
+        **sampling: Any,
+    ) -> Completion:
+        """Reply to a conversation (or a single user message) with the chat template."""
+        return self.stream(messages, cancel=cancel, **sampling).join()
+
+    def complete(
+        self, prompt: str, *, cancel: CancelToken | None = None, **sampling: Any
+    ) -> Completion:
+        """Continue raw text, without the chat template."""
+        return self.stream(prompt, raw=True, cancel=cancel, **sampling).join()
+
+    def stream(
+        self,
+        messages: str | Sequence[Message],
+        *,
+        raw: bool = False,
+        cancel: CancelToken | None = None,
+        **sampling: Any,
+    ) -> Stream:
+        """Stream a reply as :class:`Chunk` objects. ``raw=True`` skips the chat template.
+
+        Sampling options: max_tokens, temperature (0 = greedy), top_p, top_k, min_p,
+        repetition_penalty, seed, stop. Unset options take the model's own defaults.
+        """
+        if raw and not isinstance(messages, str):
+            raise LocalrunError("raw=True takes a prompt string", hint="pass the text itself")
+        request = make_sampling(**sampling)
+        msgs = None if raw else normalize_messages(messages)
+        token = cancel or CancelToken()
+        text = messages if raw else None
+        return Stream(self._run(msgs, text, request, token), token)
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of raw text for this model's tokenizer."""
+        with self._hold():
+            return len(self._live().encode_text(text).tokens)
+
+    def close(self) -> None:
+        """Free the engine's memory. Waits for a running call to finish."""
+        with self._lock:
+            if self._session is not None:
+                self._session.close()
+                self._session = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        i = self.info
+        return f"<localrun.Model {i.name or i.path} on {i.backend} ({i.format} {i.quantization})>"
+
+    # -- internals --------------------------------------------------------------------
+
+    def _live(self) -> Session:
+        if self._session is None:
+            raise ModelClosedError()
+        return self._session
+
+    def _hold(self) -> _Held:
+        if self._owner == threading.get_ident():
+            raise ModelBusyError()
+        return _Held(self)
+
+    def _run(
+        self,
+        messages: list[Message] | None,
+        text: str | None,
+        request: Any,
+        cancel: CancelToken,
+    ) -> Iterator[Chunk]:
+        with self._hold():
+            session = self._live()
+            t0 = time.perf_counter()
+            sampling = resolve(request, session.sampling_defaults)
+            prompt = session.encode_chat(messages) if messages is not None else \
+                session.encode_text(text or "")
+            n_prompt = len(prompt.tokens)
+            ctx = session.info.context_length
+            if n_prompt >= ctx:
+                raise ContextOverflowError(
+                    n_prompt, ctx, trained_context=session.info.trained_context_length
+                )
+            yield from self._generate(session, prompt, sampling, cancel, t0)
+
+    def _generate(
+        self,
+        session: Session,
+        prompt: Prompt,
+        sampling: ResolvedSampling,
+        cancel: CancelToken,
+        t0: float,
+    ) -> Iterator[Chunk]:
+        stats = GenerationStats()
+        matcher = StopMatcher(sampling.stop)
+        finish = None
+        t_first = 0.0
+        pieces = session.generate(prompt, sampling, cancel, stats)
+        try:
+            for piece in pieces:
+                if not t_first:
+                    t_first = time.perf_counter()
+                if cancel.cancelled:
+                    finish = "cancelled"
+                    break
+                out, hit = matcher.feed(piece)
+                if out:
+                    yield Chunk(out)
+                if hit:
+                    finish = "stop"
+                    break
+        except LocalrunError:
+            raise
+        except Exception as e:  # an engine failure must not look like a crash
+            raise GenerationError(session.info.backend, f"{type(e).__name__}: {e}") from e
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()
+        if finish is None:
+            finish = "cancelled" if cancel.cancelled else (stats.finish_reason or "length")
+            rest = matcher.flush()
+            if rest:
+                yield Chunk(rest)
+        t_end = time.perf_counter()
+        yield Chunk(
+            "",
+            finish_reason=finish,  # type: ignore[arg-type]
+            usage=Usage(len(prompt.tokens), stats.completion_tokens),
+            timings=_timings(stats, len(prompt.tokens), t0, t_first, t_end),
+        )
+
+
+def _timings(
+    stats: GenerationStats, n_prompt: int, t0: float, t_first: float, t_end: float
+) -> Timings:
+    ttft = (t_first - t0) if t_first else (t_end - t0)
+    if stats.prefill_seconds > 0:
+        prefill_tps = stats.prefill_tokens / stats.prefill_seconds
+    else:
+        prefill_tps = n_prompt / ttft if ttft > 0 else 0.0
+    if stats.decode_seconds > 0 and stats.decode_tokens > 0:
+        decode_tps = stats.decode_tokens / stats.decode_seconds
+    elif stats.completion_tokens > 1 and t_first:
+        decode_tps = (stats.completion_tokens - 1) / max(t_end - t_first, 1e-9)
+    else:
+        decode_tps = 0.0
+    return Timings(ttft=ttft, prefill_tps=prefill_tps, decode_tps=decode_tps, total=t_end - t0)
+
+
+class _Held:
+    """Queue for the Model: one call at a time, remembering which thread holds it."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, model: Model) -> None:
+        self._m = model
+
+    def __enter__(self) -> None:
+        self._m._lock.acquire()
+        self._m._owner = threading.get_ident()
+
+    def __exit__(self, *exc: object) -> None:
+        self._m._owner = None
+        self._m._lock.release()
+
+
+def load(
+    model: str | None = None,
+    *,
+    backend: str = "auto",
+    context: int | None = None,
+    device: str | None = None,
+    threads: int | None = None,
+    allow_unoptimized: bool = False,
+    **engine_options: Any,
+) -> Model:
+    """Load a model and return a :class:`Model`.
+
+    ``model`` is a local file or folder, or a name such as ``"smollm2:135m"``; ``None``
+    is the embedded default model. ``backend="auto"`` picks the engine for this host
+    and the model's format; naming one forces it (after the compatibility check).
+    ``context`` is the context window in tokens (default: the model's trained
+    context, capped at 8192). ``allow_unoptimized=True`` lets an engine load a format
+    it runs but has no optimized kernels for.
+    """
+    from localrun.backends import get_backend
+    from localrun.backends.base import LoadRequest
+    from localrun.resolve import resolve_local
+
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int)
+                                or context < 16):
+        raise LocalrunError(f"Invalid context {context!r}",
+                            hint="pass a number of tokens >= 16, e.g. context=4096")
+    target = resolve_local(model, backend=backend, allow_unoptimized=allow_unoptimized)
+    engine = get_backend(target.backend)
+    session = engine.load(
+        LoadRequest(
+            path=target.path,
+            format=target.format,
+            context=context,
+            device=device,
+            threads=threads,
+            options=engine_options,
+        )
+    )
+    return Model(session)

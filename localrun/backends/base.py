@@ -1,0 +1,85 @@
+"""The contract every engine honours.
+
+A backend turns a model on disk into a :class:`Session`. A session only has to
+encode prompts and stream text pieces; everything the public API promises beyond
+that (stop strings, usage in streams, timings, thread safety, cancellation between
+tokens, sampling defaults) is built once in :mod:`localrun.api`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from localrun.sampling import ResolvedSampling
+from localrun.types import CancelToken, FinishReason, Message, ModelInfo
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    path: str
+    format: str
+    context: int | None = None  # None: the backend's sensible default for this model
+    device: str | None = None  # e.g. "CPU", "GPU.1", "cuda:0"; None: the backend decides
+    threads: int | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)  # engine-specific extras
+
+
+@dataclass(frozen=True)
+class Prompt:
+    tokens: Sequence[int]
+    text: str | None = None  # the rendered text, for engines that take text
+
+
+@dataclass
+class GenerationStats:
+    """Filled in by a session while it generates; read by the API even after an early stop."""
+
+    completion_tokens: int = 0
+    finish_reason: FinishReason | None = None  # "stop" at end-of-sequence, "length" at a limit
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0  # engine's own figures, 0 when it reports none
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+
+class Session(ABC):
+    """One loaded model. Never called from two threads at once (the API serializes)."""
+
+    info: ModelInfo
+    #: the model's own sampling defaults (generation_config.json / GGUF metadata)
+    sampling_defaults: Mapping[str, Any] = {}
+
+    @abstractmethod
+    def encode_chat(self, messages: Sequence[Message]) -> Prompt:
+        """Render the model's chat template with a generation prompt, and tokenize."""
+
+    @abstractmethod
+    def encode_text(self, text: str) -> Prompt:
+        """Tokenize raw text as a completion prompt (no chat template)."""
+
+    @abstractmethod
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling: ResolvedSampling,
+        cancel: CancelToken,
+        stats: GenerationStats,
+    ) -> Iterator[str]:
+        """Yield text pieces, one per generated token (possibly empty strings).
+
+        Must stop at end-of-sequence (finish_reason "stop") or after
+        ``sampling.max_tokens`` / at the context's end ("length"), keep ``stats``
+        current as it goes, and clean up when closed early.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free the engine's memory. Idempotent."""
+
+
+class Backend(Protocol):
+    name: str
+
+    def load(self, request: LoadRequest) -> Session: ...

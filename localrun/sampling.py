@@ -1,0 +1,154 @@
+"""Sampling options: validation, and resolution against the model's own defaults.
+
+Engines ship defaults that are not neutral (llama.cpp: min_p 0.05, top_k 40;
+ExLlamaV2: repetition 1.025). localrun never lets them leak: every backend receives a
+fully resolved :class:`ResolvedSampling` and passes every field explicitly.
+Precedence: the caller's value, then the model's own generation defaults
+(generation_config.json or GGUF ``general.sampling.*``), then :data:`FALLBACK`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from localrun.errors import InvalidSamplingError
+from localrun.types import Sampling
+
+
+@dataclass(frozen=True)
+class ResolvedSampling:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    seed: int | None
+    stop: tuple[str, ...]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+#: Used only where neither the caller nor the model says anything. Filters are off,
+#: so the distribution is the model's own, softened by a moderate temperature.
+FALLBACK = ResolvedSampling(
+    max_tokens=1024,
+    temperature=0.7,
+    top_p=1.0,
+    top_k=0,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    seed=None,
+    stop=(),
+)
+
+SAMPLING_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(Sampling))
+
+MAX_SEED = 2**32 - 1
+
+
+def _number(name: str, value: object, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidSamplingError(name, value, allowed)
+    if not math.isfinite(value):
+        raise InvalidSamplingError(name, value, allowed)
+    return float(value)
+
+
+def _integer(name: str, value: object, allowed: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSamplingError(name, value, allowed)
+    return value
+
+
+def _check(name: str, value: Any) -> Any:
+    """Validate one option; return it in canonical type. ``None`` passes through."""
+    if value is None:
+        return None
+    if name == "max_tokens":
+        v = _integer(name, value, "an integer >= 1")
+        if v < 1:
+            raise InvalidSamplingError(name, value, "an integer >= 1")
+        return v
+    if name == "temperature":
+        t = _number(name, value, "a number >= 0 (0 = greedy)")
+        if t < 0:
+            raise InvalidSamplingError(name, value, "a number >= 0 (0 = greedy)")
+        return t
+    if name == "top_p":
+        p = _number(name, value, "0 < top_p <= 1 (1 = off)")
+        if not 0 < p <= 1:
+            raise InvalidSamplingError(name, value, "0 < top_p <= 1 (1 = off)")
+        return p
+    if name == "top_k":
+        k = _integer(name, value, "an integer >= 0 (0 = off)")
+        if k < 0:
+            raise InvalidSamplingError(name, value, "an integer >= 0 (0 = off)")
+        return k
+    if name == "min_p":
+        m = _number(name, value, "0 <= min_p < 1 (0 = off)")
+        if not 0 <= m < 1:
+            raise InvalidSamplingError(name, value, "0 <= min_p < 1 (0 = off)")
+        return m
+    if name == "repetition_penalty":
+        r = _number(name, value, "a number > 0 (1 = off)")
+        if r <= 0:
+            raise InvalidSamplingError(name, value, "a number > 0 (1 = off)")
+        return r
+    if name == "seed":
+        s = _integer(name, value, f"an integer from 0 to {MAX_SEED}")
+        if not 0 <= s <= MAX_SEED:
+            raise InvalidSamplingError(name, value, f"an integer from 0 to {MAX_SEED}")
+        return s
+    if name == "stop":
+        items: Iterable[object] = [value] if isinstance(value, str) else value
+        try:
+            stops = tuple(items)
+        except TypeError:
+            raise InvalidSamplingError(name, value, "a string or a list of strings") from None
+        if not all(isinstance(s, str) and s for s in stops):
+            raise InvalidSamplingError(name, value, "non-empty strings")
+        return stops
+    raise InvalidSamplingError(name, value, "one of " + ", ".join(SAMPLING_OPTIONS))
+
+
+def make_sampling(base: Sampling | None = None, **options: Any) -> Sampling:
+    """Build a validated :class:`Sampling` from keyword options (``None`` = unset)."""
+    checked: dict[str, Any] = {}
+    for name, value in options.items():
+        if name not in SAMPLING_OPTIONS:
+            raise InvalidSamplingError(name, value, "one of " + ", ".join(SAMPLING_OPTIONS))
+        v = _check(name, value)
+        if v is not None:
+            checked[name] = v
+    return replace(base or Sampling(), **checked)
+
+
+def _model_default(name: str, value: Any) -> Any:
+    # A model's own defaults may use other conventions (top_k=-1 for "off"); ignore
+    # what localrun cannot read rather than failing every call on that model.
+    if value is None:
+        return None
+    try:
+        return _check(name, value)
+    except InvalidSamplingError:
+        return None
+
+
+def resolve(request: Sampling, model_defaults: Mapping[str, Any] | None = None) -> ResolvedSampling:
+    """Fill every unset option: the caller's value, else the model's, else FALLBACK."""
+    defaults = model_defaults or {}
+    out: dict[str, Any] = {}
+    for f in fields(ResolvedSampling):
+        value = getattr(request, f.name)
+        if value is None or (f.name == "stop" and not value):
+            value = _model_default(f.name, defaults.get(f.name))
+        if value is None:
+            value = getattr(FALLBACK, f.name)
+        out[f.name] = value
+    return ResolvedSampling(**out)

@@ -1,0 +1,82 @@
+"""Chat templates for engines that have none of their own (llama.cpp, ExLlama).
+
+Templates are the model's own Jinja (GGUF ``tokenizer.chat_template`` or
+tokenizer_config.json), rendered in a sandbox the way transformers renders them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from localrun.errors import LocalrunError
+from localrun.types import Message
+
+#: Used only when a model ships no template at all.
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _raise(message: str) -> None:
+    raise LocalrunError(f"The model's chat template refused the conversation: {message}",
+                        hint="check the roles and their order (many templates require "
+                        "user/assistant turns to alternate)")
+
+
+@lru_cache(maxsize=16)
+def _compile(source: str) -> Any:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def render_chat(
+    template: str | None,
+    messages: Sequence[Message],
+    *,
+    bos_token: str = "",
+    eos_token: str = "",
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render ``messages`` with the model's template (ChatML when it has none)."""
+    return str(
+        _compile(template or CHATML).render(
+            messages=list(messages),
+            bos_token=bos_token,
+            eos_token=eos_token,
+            add_generation_prompt=add_generation_prompt,
+        )
+    )
+
+
+def normalize_messages(messages: object) -> list[Message]:
+    """Accept a string or a list of {role, content} dicts; reject anything else clearly."""
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise LocalrunError(
+            "Messages must be a non-empty list of {'role', 'content'} dicts or a string",
+            hint='e.g. model.chat([{"role": "user", "content": "Hi"}])',
+        )
+    out: list[Message] = []
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise LocalrunError(
+                f"Message {i} is not a {{'role': str, 'content': str}} dict: {m!r}"[:200],
+                hint="every message needs a string 'role' (system/user/assistant) and 'content'",
+            )
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
