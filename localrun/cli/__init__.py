@@ -38,11 +38,18 @@ def _root(
     pass
 
 
-def _register() -> None:
-    from localrun.cli import chat, run
+#: Command modules, in --help order; each has register(app).
+COMMANDS = (
+    "chat",
+    "run",
+)
 
-    for module in (chat, run):
-        module.register(app)
+
+def _register() -> None:
+    import importlib
+
+    for name in COMMANDS:
+        importlib.import_module(f"localrun.cli.{name}").register(app)
 
 
 _register()
