@@ -122,7 +122,7 @@ class Model:
         request = make_sampling(**sampling)
         msgs = None if raw else normalize_messages(messages)
         token = cancel or CancelToken()
-        text = messages if raw else None
+        text = messages if isinstance(messages, str) and raw else None
         return Stream(self._run(msgs, text, request, token), token)
 
     def count_tokens(self, text: str) -> int:

@@ -75,7 +75,8 @@ class ContextOverflowError(LocalrunError, ValueError):
         hint = "shorten the prompt or the conversation (/reset in chat)"
         if trained_context and trained_context > context:
             bigger = min(trained_context, max(2 * context, prompt_tokens + 512))
-            hint += f", or load with a larger context (--context {bigger}; the model supports up to {trained_context})"
+            hint += (f", or load with a larger context (--context {bigger}; "
+                     f"the model supports up to {trained_context})")
         super().__init__(
             f"Prompt is {prompt_tokens} tokens but the context window is {context} tokens",
             hint=hint,

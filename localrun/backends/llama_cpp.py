@@ -120,12 +120,10 @@ class LlamaCppSession(Session):
             mirostat_mode=0,
         )
         try:
-            n = 0
-            for token in tokens:
+            for n, token in enumerate(tokens, 1):
                 if is_eog(vocab, token):
                     stats.finish_reason = "stop"
                     break
-                n += 1
                 stats.completion_tokens = n
                 yield decoder.decode(to_piece(token, False))
                 if n >= limit or cancel.cancelled:

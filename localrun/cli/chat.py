@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -117,10 +118,8 @@ def chat(
         sys.stderr.write(o.header(m, model) + "\n")
         sys.stderr.write("Type /help for commands, Ctrl-D to exit.\n")
         last = None
-        try:
+        with contextlib.suppress(ImportError):
             import readline  # noqa: F401  (line editing and history for input())
-        except ImportError:
-            pass
         while True:
             try:
                 message = _read_message()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -14,7 +14,7 @@ from localrun.cli import options as o
 def run(
     model: Annotated[str, typer.Argument(help="Model: a .gguf file, a model folder, or a "
                                          "name such as smollm2:135m.")],
-    prompt: Annotated[Optional[str], typer.Argument(help="The prompt (default: read stdin).")] = None,
+    prompt: Annotated[str | None, typer.Argument(help="The prompt (default: read stdin).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the Completion as JSON "
                                            "(text, finish_reason, usage, timings, info).")] = False,
     raw: Annotated[bool, typer.Option("--raw", help="Complete the text as is, without the "

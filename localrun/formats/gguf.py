@@ -197,7 +197,7 @@ def read_gguf(path: str | os.PathLike[str], *, check_size: bool = True) -> GGUFI
     p = Path(path)
     try:
         size = p.stat().st_size
-        fh = open(p, "rb")
+        fh = open(p, "rb")  # noqa: SIM115 - closed by the with-block below
     except OSError as e:
         raise ModelFileError(str(p), e.strerror or str(e)) from e
     with fh:

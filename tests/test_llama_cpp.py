@@ -1,0 +1,215 @@
+"""The Model contract on the real llama.cpp engine with the real embedded model."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import localrun
+from localrun.errors import ContextOverflowError, FormatMismatchError, ModelFileError
+from tests.conftest import requires_llama
+
+pytestmark = requires_llama
+
+GREEDY = {"temperature": 0.0, "max_tokens": 48}
+
+# Simple questions a 135M model answers under greedy decoding, with accepted words.
+ROBUST = [
+    ("What is 2+2?", ("4", "four")),
+    ("What is the capital of France?", ("paris",)),
+    ("What color is the sky on a clear day?", ("blue",)),
+    ("What are the three primary colors?", ("red", "blue", "yellow")),
+]
+
+
+@pytest.mark.parametrize(("question", "words"), ROBUST)
+def test_greedy_answers(llama_model: Any, question: str, words: tuple[str, ...]) -> None:
+    c = llama_model.chat(question, **GREEDY)
+    assert any(w in c.text.lower() for w in words), c.text
+
+
+def test_completion_fields(llama_model: Any) -> None:
+    c = llama_model.chat("What is 2+2?", **GREEDY)
+    assert c.finish_reason == "stop"
+    assert c.usage.prompt_tokens > 10
+    assert c.usage.completion_tokens > 0
+    t = c.timings
+    assert 0 < t.ttft <= t.total
+    assert t.prefill_tps > 0 and t.decode_tps > 0
+
+
+def test_prompt_tokens_match_tokenizer(llama_model: Any) -> None:
+    rendered = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                "Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    c = llama_model.chat("Hi", max_tokens=1)
+    session = llama_model._session
+    assert c.usage.prompt_tokens == len(session.encode_text(rendered).tokens)
+
+
+def test_completion_tokens_counted(llama_model: Any) -> None:
+    c = llama_model.complete("Once upon a time", max_tokens=7, temperature=0)
+    assert c.finish_reason == "length"
+    assert c.usage.completion_tokens == 7
+
+
+def test_info(llama_model: Any) -> None:
+    i = llama_model.info
+    assert (i.backend, i.format, i.quantization) == ("llama.cpp", "gguf", "Q4_1")
+    assert i.engine_version and i.engine_version != "unknown"
+    assert i.context_length == 2048 and i.trained_context_length == 8192
+    assert Path(i.path).is_file()
+
+
+def test_stop_string_removed(llama_model: Any) -> None:
+    full = llama_model.chat("Count from 1 to 10, separated by commas.", **GREEDY).text
+    assert "5" in full, full
+    c = llama_model.chat("Count from 1 to 10, separated by commas.", stop=["5"], **GREEDY)
+    assert c.finish_reason == "stop"
+    assert "5" not in c.text
+    assert full.startswith(c.text)
+
+
+def test_max_tokens_gives_length(llama_model: Any) -> None:
+    c = llama_model.chat("Write a long story about a dragon.", temperature=0, max_tokens=5)
+    assert c.finish_reason == "length"
+    assert c.usage.completion_tokens == 5
+
+
+def test_same_seed_same_text(llama_model: Any) -> None:
+    kw = {"temperature": 1.0, "max_tokens": 24, "seed": 1234}
+    a = llama_model.chat("Tell me about cats.", **kw).text
+    b = llama_model.chat("Tell me about cats.", **kw).text
+    others = {llama_model.chat("Tell me about cats.", temperature=1.0, max_tokens=24,
+                               seed=s).text for s in (1, 2, 3)}
+    assert a == b
+    assert len(others | {a}) > 1  # seeds actually change the sample
+
+
+def test_stream_equals_non_stream(llama_model: Any) -> None:
+    q = "Name three animals that live in the sea."
+    c = llama_model.chat(q, **GREEDY)
+    chunks = list(llama_model.stream(q, **GREEDY))
+    assert "".join(ch.text for ch in chunks) == c.text
+    last = chunks[-1]
+    assert last.finish_reason == c.finish_reason
+    assert last.usage == c.usage and last.timings is not None
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_threads_share_one_model(llama_model: Any) -> None:
+    results: list[str] = []
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for j in range(3):
+                c = llama_model.chat(f"Say the number {i * 3 + j}.", temperature=0, max_tokens=8)
+                results.append(c.finish_reason)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    assert len(results) == 12
+
+
+def test_context_overflow_is_typed(llama_model: Any) -> None:
+    with pytest.raises(ContextOverflowError) as info:
+        llama_model.chat("word " * 5000)
+    e = info.value
+    assert e.context == 2048 and e.prompt_tokens > 2048
+    assert str(e.prompt_tokens) in str(e) and "2048" in str(e)
+    assert "--context" in (e.hint or "")
+    # and the model is still usable
+    assert llama_model.chat("What is 2+2?", **GREEDY).text
+
+
+def test_cancel_mid_stream(llama_model: Any) -> None:
+    token = localrun.CancelToken()
+    stream = llama_model.stream("Write a very long story about the sea.", temperature=0,
+                                max_tokens=400, cancel=token)
+    for n, _chunk in enumerate(stream, 1):
+        if n == 5:
+            token.cancel()
+    assert stream.completion is not None
+    assert stream.completion.finish_reason == "cancelled"
+    assert stream.completion.usage.completion_tokens < 20
+    assert llama_model.chat("What is 2+2?", **GREEDY).finish_reason == "stop"
+
+
+def test_cancel_from_another_thread(llama_model: Any) -> None:
+    token = localrun.CancelToken()
+    timer = threading.Timer(0.3, token.cancel)
+    timer.start()
+    t0 = time.perf_counter()
+    c = llama_model.chat("Write a very long essay about history.", temperature=0,
+                         max_tokens=2000, cancel=token)
+    assert c.finish_reason == "cancelled"
+    assert time.perf_counter() - t0 < 10
+
+
+def test_abandoned_stream_frees_the_model(llama_model: Any) -> None:
+    stream = llama_model.stream("Tell me a story.", max_tokens=50)
+    next(stream)
+    stream.close()
+    assert llama_model.chat("Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_same_thread_nested_call_is_refused(llama_model: Any) -> None:
+    stream = llama_model.stream("Tell me a story.", max_tokens=50)
+    next(stream)
+    with pytest.raises(localrun.LocalrunError, match="open stream"):
+        llama_model.chat("Hi")
+    stream.close()
+
+
+def test_raw_completion(llama_model: Any) -> None:
+    c = llama_model.complete("The capital of France is", temperature=0, max_tokens=5)
+    assert "paris" in c.text.lower()
+
+
+@pytest.mark.parametrize("cut", ["half", "garbage"])
+def test_damaged_gguf_is_typed_error(default_gguf: Path, tmp_path: Path, cut: str) -> None:
+    bad = tmp_path / "bad.gguf"
+    data = default_gguf.read_bytes()
+    bad.write_bytes(data[: len(data) // 2] if cut == "half" else b"GGUF\x03" + b"\x00" * 4000)
+    with pytest.raises(ModelFileError):
+        localrun.load(str(bad))
+    # the process survived; a good model still loads
+    with localrun.load(str(default_gguf), context=256) as m:
+        assert m.chat("Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_default_model_and_alias() -> None:
+    with localrun.load(context=256) as m:
+        assert m.info.quantization == "Q4_1"
+    with localrun.load("smollm2:135m", context=256) as m:
+        assert m.info.format == "gguf"
+
+
+def test_unknown_model_suggests() -> None:
+    with pytest.raises(localrun.UnknownModelError) as info:
+        localrun.load("smollm2:13m")
+    assert "smollm2:135m" in str(info.value)
+
+
+def test_closed_model(default_gguf: Path) -> None:
+    m = localrun.load(str(default_gguf), context=256)
+    m.close()
+    m.close()  # idempotent
+    with pytest.raises(localrun.LocalrunError, match="closed"):
+        m.chat("Hi")
+
+
+def test_gguf_on_mlx_is_refused_before_import(default_gguf: Path) -> None:
+    with pytest.raises(FormatMismatchError) as info:
+        localrun.load(str(default_gguf), backend="mlx")
+    assert "--backend llama.cpp" in (info.value.hint or "")
