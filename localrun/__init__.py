@@ -26,6 +26,9 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from localrun.api import Model, Stream, load
+    from localrun.hardware import HardwareProfile, detect_hardware
+    from localrun.planning import plan
+    from localrun.selection import Plan
 
 __all__ = [
     "CancelToken",
@@ -34,21 +37,27 @@ __all__ = [
     "ContextOverflowError",
     "EngineNotInstalledError",
     "FormatMismatchError",
+    "HardwareProfile",
     "InvalidSamplingError",
     "LocalrunError",
     "Message",
     "Model",
     "ModelFileError",
     "ModelInfo",
+    "Plan",
     "Stream",
     "Timings",
     "UnknownModelError",
     "Usage",
     "__version__",
+    "detect_hardware",
     "load",
+    "plan",
 ]
 
-_LAZY = {"load": "localrun.api", "Model": "localrun.api", "Stream": "localrun.api"}
+_LAZY = {"load": "localrun.api", "Model": "localrun.api", "Stream": "localrun.api",
+         "plan": "localrun.planning", "detect_hardware": "localrun.hardware",
+         "HardwareProfile": "localrun.hardware", "Plan": "localrun.selection"}
 
 
 def __getattr__(name: str) -> Any:

@@ -158,3 +158,154 @@ class GenerationError(LocalrunError, RuntimeError):
             f"{backend} failed while generating: {reason}",
             hint="run again with LOCALRUN_DEBUG=1 for details; the Model is still usable",
         )
+
+
+class NoSuitableEngineError(LocalrunError, RuntimeError):
+    """No engine localrun drives can run this model (format) on this host."""
+
+    def __init__(self, format: str | None, passed_over: Sequence[tuple[str, str]], *,
+                 hint: str):
+        self.format = format
+        self.passed_over = list(passed_over)
+        what = f"{format} models" if format else "models"
+        why = "; ".join(f"{b}: {w}" for b, w in self.passed_over) or "no candidates"
+        super().__init__(f"No engine can run {what} on this host ({why})", hint=hint)
+
+
+class UnoptimizedFormatWarning(UserWarning):
+    """An engine runs a format it has no optimized kernels for (allow_unoptimized=True)."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class ModelTooLargeError(LocalrunError, MemoryError):
+    """No variant of the model fits the memory budget at the requested context.
+
+    Raised before any weight byte is downloaded. ``needed_bytes`` is the estimate for
+    the smallest candidate considered (weights + KV cache + overhead); ``max_context``
+    the largest context that would fit with it (0 when even the weights do not fit).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        quant: str | None,
+        needed_bytes: int,
+        available_bytes: int,
+        context: int,
+        max_context: int,
+        breakdown: str = "",
+        hint: str | None = None,
+    ):
+        self.model = model
+        self.quant = quant
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+        self.context = context
+        self.max_context = max_context
+        what = f"{model} ({quant})" if quant else model
+        msg = (f"{what} needs {_gib(needed_bytes)} at context {context:,} but only "
+               f"{_gib(available_bytes)} is available")
+        if breakdown:
+            msg += f" [{breakdown}]"
+        if hint is None:
+            if max_context > 0:
+                hint = (f"the largest context that fits is {max_context:,} tokens "
+                        f"(--context {max_context}), or choose a smaller quant (--quant)")
+            else:
+                hint = ("even the weights do not fit: choose a smaller model or quant "
+                        "(--quant), or free memory")
+        super().__init__(msg, hint=hint)
+
+
+class ModelGatedError(LocalrunError, PermissionError):
+    """The Hub repo is gated and no (authorized) token was sent."""
+
+    def __init__(self, repo: str):
+        self.repo = repo
+        super().__init__(
+            f"{repo} is a gated repo: the Hub refused the download without an authorized token",
+            hint=f"accept its licence at https://huggingface.co/{repo}, then set HF_TOKEN "
+            "(export HF_TOKEN=hf_...) or run `hf auth login`",
+        )
+
+
+class HubNotFoundError(LocalrunError, LookupError):
+    """A repo, revision or file that the Hub does not have."""
+
+    def __init__(self, repo: str, *, revision: str | None = None, filename: str | None = None,
+                 hint: str | None = None):
+        self.repo = repo
+        self.revision = revision
+        self.filename = filename
+        if filename:
+            msg = f"{repo} has no file {filename!r}" + (f" at {revision}" if revision else "")
+        elif revision:
+            msg = f"{repo} has no revision {revision!r}"
+        else:
+            msg = f"No Hub repo {repo!r} (or it is private)"
+        super().__init__(msg, hint=hint or "check the name at https://huggingface.co/models; "
+                         "for a private repo set HF_TOKEN")
+
+
+class OfflineMissingError(LocalrunError, FileNotFoundError):
+    """Offline (HF_HUB_OFFLINE=1 or no network) and the cache lacks what is needed."""
+
+    def __init__(self, model: str, missing: Sequence[str], *, reason: str,
+                 hint: str | None = None):
+        self.model = model
+        self.missing = list(missing)
+        self.reason = reason
+        shown = ", ".join(self.missing[:4]) + (f" (+{len(self.missing) - 4} more)"
+                                               if len(self.missing) > 4 else "")
+        super().__init__(
+            f"{reason}, and the Hugging Face cache lacks what {model} needs: {shown}",
+            hint=hint or f"connect and run `localrun pull {model}` (unset HF_HUB_OFFLINE) first",
+        )
+
+
+class DiskFullError(LocalrunError, OSError):
+    """Not enough free disk space for the download."""
+
+    def __init__(self, path: str, *, needed_bytes: int, free_bytes: int):
+        self.path = path
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+        super().__init__(
+            f"Not enough disk space in {path}: the download needs {_gib(needed_bytes)}, "
+            f"{_gib(free_bytes)} is free",
+            hint="free space (localrun rm MODEL removes a cached model) or point HF_HOME "
+            "at a larger disk",
+        )
+
+
+class ChecksumError(ModelFileError):
+    """A downloaded file whose sha256 differs from the Hub's LFS checksum, twice."""
+
+    def __init__(self, path: str, *, expected: str, actual: str):
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            path, f"sha256 {actual[:16]}… does not match the Hub's {expected[:16]}… "
+            "(downloaded twice)",
+            hint="the connection or disk corrupts data; retry later with `localrun pull MODEL`",
+        )
+
+
+class NoVariantError(LocalrunError, LookupError):
+    """The model has no variant in the format the chosen engine runs."""
+
+    def __init__(self, model: str, *, format: str, backend: str, tried: Sequence[str] = (),
+                 hint: str | None = None):
+        self.model = model
+        self.format = format
+        self.backend = backend
+        self.tried = list(tried)
+        msg = f"Found no {format} variant of {model} for {backend}"
+        if self.tried:
+            msg += " (looked at " + ", ".join(self.tried[:5]) + ")"
+        super().__init__(msg, hint=hint or "name a variant repo directly (org/name), or pick "
+                         "another engine with --backend")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import difflib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from localrun.backends import BACKENDS, canonical_backend, is_installed
-from localrun.errors import EngineNotInstalledError, UnknownModelError
+from localrun.backends import BACKENDS, canonical_backend, installed_backends
+from localrun.errors import EngineNotInstalledError, UnknownModelError, UnoptimizedFormatWarning
 from localrun.formats import compat
-from localrun.formats.detect import detect
+from localrun.formats.detect import DetectedModel, detect
 from localrun.stores import DEFAULT_MODEL_ALIAS, default_model_path
 
 #: Names that mean the packaged default model.
@@ -56,20 +57,31 @@ def resolve_local(
     found = detect(path)
     display = model or DEFAULT_MODEL_ALIAS
     if backend == "auto":
-        name = _auto_backend(found.format, display)
+        name = _auto_backend(found, display, allow_unoptimized)
     else:
         name = canonical_backend(backend)
-    level = compat.check(found.format, name, model=display, allow_unoptimized=allow_unoptimized)
+    # The check runs before any engine is imported or any weight is read.
+    level = compat.check(found.format, name, model=display, allow_unoptimized=allow_unoptimized,
+                         architecture=found.architecture, quantization=found.quantization)
+    if level == "loads":
+        warnings.warn(UnoptimizedFormatWarning(
+            f"{name} runs {compat.title(found.format)} without its optimized kernels "
+            f"(engines that run it natively: {', '.join(compat.native_backends(found.format))})"
+        ), stacklevel=3)
     return Target(found.path, found.format, name, found.quantization, level)
 
 
-def _auto_backend(format: str, model: str) -> str:
-    natives = compat.native_backends(format)
-    for name in natives:
-        if is_installed(name):
-            return name
-    if natives:
-        spec = BACKENDS[natives[0]]
+def _auto_backend(found: DetectedModel, model: str, allow_unoptimized: bool) -> str:
+    """This host's best installed engine that runs the model's format natively."""
+    from localrun.hardware import detect_hardware
+    from localrun.selection import PlanRequest, select
+
+    size = found.details.get("file_size")
+    plan = select(detect_hardware(), installed_backends(), PlanRequest(
+        model=model, format=found.format, quantization=found.quantization,
+        architecture=found.architecture, weights_bytes=size if isinstance(size, int) else None,
+        allow_unoptimized=allow_unoptimized))
+    if not plan.installed:
+        spec = BACKENDS[plan.backend]
         raise EngineNotInstalledError(spec.title, spec.extra)
-    # No engine runs this format natively: refuse with the engines' own wants.
-    return compat.check(format, "llama.cpp", model=model) and "llama.cpp"
+    return plan.backend

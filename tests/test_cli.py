@@ -94,10 +94,10 @@ def test_run_reads_stdin_and_stops(clean_env: dict[str, str]) -> None:
 
 @requires_llama
 def test_chat_non_tty_answers_once(clean_env: dict[str, str]) -> None:
-    r = cli("chat", "--temperature", "0", stdin="What is the capital of France?\n",
+    r = cli("chat", "--temperature", "0", stdin="What is the opposite of hot?\n",
             env=clean_env)
     assert r.returncode == 0, r.stderr
-    assert "paris" in r.stdout.lower()
+    assert "cold" in r.stdout.lower()
 
 
 def _read_until(fd: int, needle: str, timeout: float = 90) -> str:

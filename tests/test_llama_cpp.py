@@ -20,7 +20,8 @@ GREEDY = {"temperature": 0.0, "max_tokens": 48}
 # Simple questions a 135M model answers under greedy decoding, with accepted words.
 ROBUST = [
     ("What is 2+2?", ("4", "four")),
-    ("What is the capital of France?", ("paris",)),
+    ("What is the opposite of hot?", ("cold",)),
+    ("How many legs does a dog have?", ("4", "four")),
     ("What color is the sky on a clear day?", ("blue",)),
     ("What are the three primary colors?", ("red", "blue", "yellow")),
 ]
@@ -46,8 +47,9 @@ def test_prompt_tokens_match_tokenizer(llama_model: Any) -> None:
     rendered = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
                 "Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     c = llama_model.chat("Hi", max_tokens=1)
-    session = llama_model._session
-    assert c.usage.prompt_tokens == len(session.encode_text(rendered).tokens)
+    engine = llama_model._session._llm  # the engine's own tokenizer, special tokens parsed
+    assert c.usage.prompt_tokens == len(engine.tokenize(rendered.encode(), add_bos=False,
+                                                        special=True))
 
 
 def test_completion_tokens_counted(llama_model: Any) -> None:

@@ -9,6 +9,7 @@ tokens. The chat template is the GGUF's own, rendered by :mod:`localrun.template
 from __future__ import annotations
 
 import codecs
+import ctypes
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -54,6 +55,10 @@ class LlamaCppSession(Session):
         except (ValueError, RuntimeError) as e:
             raise ModelFileError(request.path, f"llama.cpp could not load it ({e})") from e
         self._vocab = self._llm._model.vocab
+        # llama-cpp-python's token_to_piece returns its whole 32-byte buffer, NULs and
+        # all; we call the C function ourselves and keep each token's bytes.
+        self._piece_buf = ctypes.create_string_buffer(64)
+        self._pieces: dict[int, bytes] = {}
         self._ctx_ptr = self._llm._ctx.ctx
         model = self._llm._model
         self._bos = _token_text(model, self._llm.token_bos())
@@ -71,6 +76,19 @@ class LlamaCppSession(Session):
             architecture=gguf.architecture,
             name=gguf.name,
         )
+
+    def _piece(self, token: int) -> bytes:
+        """The bytes of one token (special tokens render as nothing), memoized."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = self._piece_buf
+            n = self._lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:  # longer than the buffer: -n bytes are needed
+                buf = ctypes.create_string_buffer(-n)
+                n = self._lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            piece = buf.raw[: max(n, 0)]
+            self._pieces[token] = piece
+        return piece
 
     # -- encoding ---------------------------------------------------------------------
 
@@ -104,7 +122,7 @@ class LlamaCppSession(Session):
         llm.set_seed(sampling.seed if sampling.seed is not None else lc.LLAMA_DEFAULT_SEED)
         lc.llama_perf_context_reset(self._ctx_ptr)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        to_piece = llm._model.token_to_piece
+        to_piece = self._piece
         is_eog = lc.llama_vocab_is_eog
         vocab = self._vocab
         tokens = llm.generate(
@@ -125,7 +143,7 @@ class LlamaCppSession(Session):
                     stats.finish_reason = "stop"
                     break
                 stats.completion_tokens = n
-                yield decoder.decode(to_piece(token, False))
+                yield decoder.decode(to_piece(token))
                 if n >= limit or cancel.cancelled:
                     stats.finish_reason = "length"
                     break

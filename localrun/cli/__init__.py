@@ -42,6 +42,8 @@ def _root(
 COMMANDS = (
     "chat",
     "run",
+    "doctor",
+    "plan",
 )
 
 

@@ -1,0 +1,105 @@
+"""localrun plan MODEL: the engine, format, quantization and device, without downloading."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from localrun.cli import options as o
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from localrun.selection import Plan
+
+
+def plan(
+    model: Annotated[str | None, typer.Argument(
+        help="Model: a .gguf file, a model folder, or a name such as smollm2:135m "
+        "(default: the embedded SmolLM2-135M-Instruct).")] = None,
+    backend: o.Backend = "auto",
+    hardware: Annotated[str | None, typer.Option(
+        "--hardware", help="Plan for another machine: a JSON profile as printed by "
+        "'localrun doctor --json'.")] = None,
+    engines: Annotated[str | None, typer.Option(
+        "--engines", help="Comma-separated engines to assume installed (default: the ones "
+        "installed here; with --hardware: all).")] = None,
+    embed: Annotated[bool, typer.Option(
+        "--embed", help="Plan for embedding in an application (ONNX Runtime GenAI first).")]
+    = False,
+    allow_unoptimized: o.AllowUnoptimized = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Show which engine, format, quantization and device would run MODEL, and why.
+
+    Nothing is downloaded or loaded.
+
+    Examples:
+
+      localrun plan smollm2:135m
+
+      localrun plan ./model.gguf --backend mlx
+
+      localrun doctor --json > mac.json; localrun plan qwen2.5:7b --hardware mac.json
+    """
+    from localrun.backends import BACKENDS, canonical_backend, installed_backends
+    from localrun.hardware import HardwareProfile
+    from localrun.planning import plan as make_plan
+
+    profile = HardwareProfile.load(hardware) if hardware else None
+    if engines is not None:
+        names = [canonical_backend(e) for e in engines.split(",") if e.strip()]
+        installed: dict[str, str] | None = {n: "assumed" for n in names}
+    elif profile is not None:
+        installed = {n: "assumed" for n in BACKENDS}
+    else:
+        installed = installed_backends()
+    result = make_plan(model, backend=backend, hardware=profile, installed=installed,
+                       prefer="embed" if embed else "auto", allow_unoptimized=allow_unoptimized)
+    if json_out:
+        sys.stdout.write(result.to_json() + "\n")
+        return
+    from rich.console import Console
+
+    console = Console(highlight=False, soft_wrap=True)
+    _show(console, result, assumed=profile is not None and engines is None)
+
+
+def _e(value: object) -> str:
+    from rich.markup import escape
+
+    return escape(str(value))
+
+
+def _show(console: Console, p: Plan, *, assumed: bool) -> None:
+    state = "" if p.installed else " [yellow](not installed)[/]"
+    console.print(f"[bold]Model[/]: {_e(p.model)}")
+    console.print(f"[bold]Plan[/]: {_e(p.backend)}{state} on {_e(p.device)} · {_e(p.format)} "
+                  f"{_e(p.quantization or '')} · host kind {_e(p.host)}")
+    if p.support == "loads":
+        console.print(f"[yellow]warning[/]: {_e(p.backend)} runs {_e(p.format)} without its "
+                      "optimized kernels")
+    console.print("[bold]Why[/]")
+    for r in p.reasons:
+        console.print(f"  - {_e(r)}")
+    for n in p.notes:
+        console.print(f"[bold]Note[/]: {_e(n)}")
+    if assumed:
+        console.print("[bold]Note[/]: planned for a described machine, assuming every engine "
+                      "can be installed there (--engines to narrow)")
+    if p.install_hint:
+        console.print(f"[bold]Install[/]: {_e(p.install_hint)}")
+    # The Hub section (repo, files, memory fit) is filled by the fetch step when present.
+    if p.repo is not None:
+        console.print(f"[bold]Repo[/]: {_e(p.repo)}")
+    if p.files:
+        console.print("[bold]Files[/]: " + _e(", ".join(p.files)))
+    if p.memory:
+        facts = ", ".join(f"{k} {v}" for k, v in p.memory.items())
+        console.print("[bold]Memory[/]: " + _e(facts))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan)

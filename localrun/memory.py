@@ -1,0 +1,245 @@
+"""Memory estimates: weights + KV cache + overhead, and the largest context that fits.
+
+Pure arithmetic over numbers the caller gathered (file sizes from the Hub, the model's
+shape from GGUF metadata or config.json). No I/O except the small readers at the end,
+which parse a GGUF header from bytes or a config dict.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any
+
+#: Fixed cost on top of the weights: compute buffers, runtime, tokenizer (bytes).
+OVERHEAD_FIXED = 256 * 2**20
+#: Proportional cost: scratch buffers grow with the model.
+OVERHEAD_FRACTION = 0.05
+#: KV cache element size: f16 in every engine's default configuration.
+KV_BYTES = 2
+#: Contexts are offered in multiples of this many tokens.
+CONTEXT_STEP = 256
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV cache size depends on."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    trained_context: int | None = None
+
+    def kv_bytes_per_token(self, kv_bytes: int = KV_BYTES) -> int:
+        # K and V for every layer and KV head.
+        return self.n_layers * self.n_kv_heads * self.head_dim * 2 * kv_bytes
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes needed to run a model at ``context`` tokens; ``kv_known`` False when the
+    model's shape could not be read (the KV cache then counts as 0)."""
+
+    weights_bytes: int
+    kv_cache_bytes: int
+    overhead_bytes: int
+    context: int
+    kv_known: bool = True
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
+
+    def breakdown(self) -> str:
+        kv = f"KV cache {_gib(self.kv_cache_bytes)}" if self.kv_known else "KV cache unknown"
+        return (f"weights {_gib(self.weights_bytes)} + {kv} + overhead "
+                f"{_gib(self.overhead_bytes)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["total_bytes"] = self.total_bytes
+        return d
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def overhead_bytes(weights_bytes: int) -> int:
+    return OVERHEAD_FIXED + int(weights_bytes * OVERHEAD_FRACTION)
+
+
+def kv_cache_bytes(shape: ModelShape, context: int, kv_bytes: int = KV_BYTES) -> int:
+    """layers × KV heads × head dim × context × 2 (K and V) × bytes per element."""
+    return shape.kv_bytes_per_token(kv_bytes) * context
+
+
+def estimate(weights_bytes: int, shape: ModelShape | None, context: int) -> MemoryEstimate:
+    kv = kv_cache_bytes(shape, context) if shape else 0
+    return MemoryEstimate(weights_bytes, kv, overhead_bytes(weights_bytes), context,
+                          kv_known=shape is not None)
+
+
+def max_context(weights_bytes: int, shape: ModelShape | None, budget_bytes: int,
+                *, limit: int | None = None) -> int:
+    """Largest context (a multiple of CONTEXT_STEP, at most ``limit``) that fits the budget.
+
+    0 when not even CONTEXT_STEP tokens fit. Without a shape, the KV cache is unknown:
+    the answer is ``limit`` if the weights fit, else 0.
+    """
+    free = budget_bytes - weights_bytes - overhead_bytes(weights_bytes)
+    if free <= 0:
+        return 0
+    cap = limit if limit is not None else 1 << 20
+    if shape is None:
+        return cap
+    per_token = shape.kv_bytes_per_token()
+    tokens = free // per_token if per_token else cap
+    if tokens >= cap:
+        return cap
+    return int(tokens // CONTEXT_STEP * CONTEXT_STEP)
+
+
+def available_ram_bytes() -> int:
+    """Memory available to a new process: MemAvailable from /proc/meminfo, else
+    free pages from sysconf, else total physical memory."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        for name in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"):
+            try:
+                return int(os.sysconf(name)) * int(page)
+            except (ValueError, OSError):
+                continue
+    except (ValueError, OSError, AttributeError):
+        pass
+    return 0
+
+
+# --- reading a model's shape -------------------------------------------------------------
+
+def shape_from_config(config: dict[str, Any]) -> ModelShape | None:
+    """From a transformers config.json (also MLX, EXL2/3, OpenVINO repos) or an
+    ONNX Runtime GenAI genai_config.json."""
+    model = config.get("model")
+    if isinstance(model, dict) and isinstance(model.get("decoder"), dict):
+        dec = model["decoder"]
+        layers, kv, hd = (_int(dec.get("num_hidden_layers")), _int(dec.get("num_key_value_heads")),
+                          _int(dec.get("head_size")))
+        if layers and kv and hd:
+            return ModelShape(layers, kv, hd, _int(model.get("context_length")))
+        return None
+    text = config.get("text_config")
+    cfg: dict[str, Any] = text if isinstance(text, dict) else config
+    layers = _int(cfg.get("num_hidden_layers"))
+    heads = _int(cfg.get("num_attention_heads"))
+    kv = _int(cfg.get("num_key_value_heads", heads))
+    hd = _int(cfg.get("head_dim"))
+    hidden = _int(cfg.get("hidden_size"))
+    if hd is None and hidden and heads:
+        hd = hidden // heads
+    if layers and kv and hd:
+        return ModelShape(layers, kv, hd, _int(cfg.get("max_position_embeddings")))
+    return None
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}
+
+
+class _Truncated(Exception):
+    pass
+
+
+def gguf_metadata_from_bytes(buf: bytes) -> dict[str, Any]:
+    """Key/value metadata from the first bytes of a GGUF file (arrays are skipped).
+
+    Raises ValueError if ``buf`` is not a GGUF header, and EOFError if it ends before
+    the metadata does (read more bytes and try again).
+    """
+    if buf[:4] != b"GGUF":
+        raise ValueError("not a GGUF file")
+    pos = 4
+
+    def take(fmt: str) -> Any:
+        nonlocal pos
+        size = struct.calcsize(fmt)
+        if pos + size > len(buf):
+            raise _Truncated
+        v = struct.unpack_from(fmt, buf, pos)[0]
+        pos += size
+        return v
+
+    def string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        if pos + n > len(buf):
+            raise _Truncated
+        s = buf[pos:pos + n].decode("utf-8", errors="replace")
+        pos += n
+        return s
+
+    def value(vtype: int) -> Any:
+        nonlocal pos
+        if vtype in _GGUF_SCALARS:
+            return take(_GGUF_SCALARS[vtype])
+        if vtype == 8:
+            return string()
+        if vtype == 9:
+            etype, count = take("<I"), take("<Q")
+            if etype in _GGUF_SCALARS:
+                pos += struct.calcsize(_GGUF_SCALARS[etype]) * count
+                if pos > len(buf):
+                    raise _Truncated
+            else:
+                for _ in range(count):
+                    value(etype)
+            return None
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+    try:
+        version = take("<I")
+        if version not in (2, 3):
+            raise ValueError(f"unsupported GGUF version {version}")
+        take("<Q")  # tensor count
+        n_kv = take("<Q")
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = string()
+            v = value(take("<I"))
+            if v is not None:
+                meta[key] = v
+        return meta
+    except _Truncated:
+        raise EOFError("GGUF metadata continues past the bytes read") from None
+
+
+def shape_from_gguf_metadata(meta: dict[str, Any]) -> ModelShape | None:
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        return None
+
+    def get(key: str) -> int | None:
+        v = meta.get(f"{arch}.{key}")
+        return v if isinstance(v, int) else None
+
+    layers, heads = get("block_count"), get("attention.head_count")
+    kv = get("attention.head_count_kv") or heads
+    hd = get("attention.key_length")
+    emb = get("embedding_length")
+    if hd is None and emb and heads:
+        hd = emb // heads
+    if layers and kv and hd:
+        return ModelShape(layers, kv, hd, get("context_length"))
+    return None

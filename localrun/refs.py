@@ -1,0 +1,144 @@
+"""Parse what the user typed to name a model.
+
+Accepted forms:
+
+- a local file or folder: ``./model.gguf``, ``~/models/qwen``, ``/abs/path``
+- the packaged default model: ``smollm2:135m`` (also ``default``)
+- a Hub repo id with optional quant and revision: ``org/name[:QUANT][@revision]``,
+  e.g. ``Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M``, ``org/model-exl2:4.0bpw``,
+  ``org/model@main``; ``hf.co/`` and ``https://huggingface.co/`` prefixes are dropped
+- a catalog alias, optionally with a quant: ``qwen2.5:0.5b``, ``qwen2.5:0.5b:Q8_0``
+- a model in Ollama's store: ``ollama:qwen2.5:0.5b`` (the alias alone also finds it)
+- a model in LM Studio's folder: ``lmstudio:publisher/repo[:QUANT]``
+
+Parsing does no I/O beyond checking whether a path exists.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from localrun import catalog
+from localrun.catalog import CatalogEntry
+from localrun.errors import UnknownModelError
+
+RefKind = Literal["path", "default", "alias", "repo", "ollama", "lmstudio"]
+
+#: Names that mean the packaged default model (the same list as resolve.DEFAULT_NAMES).
+DEFAULT_NAMES = ("smollm2:135m", "smollm2", "smollm2:135m-instruct", "default")
+
+_REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+#: What a quant tag looks like: GGUF types, N-bit, intN / fpN, bpw numbers, UD- prefixes.
+QUANT_TAG_RE = re.compile(
+    r"(?i)^(?:ud-)?(?:i?q\d(?:_[0-9a-z]+)*|bf16|f16|f32|fp16|fp32|mxfp4(?:_moe)?"
+    r"|\d+(?:\.\d+)?bits?|q\d|(?:u?int|nf|fp)\d+|\d+(?:[._]\d+)?(?:bpw)?(?:_h\d+)?)$"
+)
+_HUB_PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "huggingface.co/",
+                 "hf.co/", "hf://")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A parsed model reference."""
+
+    raw: str
+    kind: RefKind
+    path: Path | None = None  # kind "path"
+    repo: str | None = None  # kind "repo" / "lmstudio"
+    alias: str | None = None  # kind "alias": the catalog alias; "ollama": the Ollama name
+    quant: str | None = None  # as typed, e.g. "Q4_K_M", "4bit", "int4", "4.0bpw"
+    revision: str | None = None
+
+    @property
+    def entry(self) -> CatalogEntry | None:
+        """The catalog entry this reference names or belongs to, if any."""
+        if self.kind == "alias" and self.alias:
+            return catalog.lookup(self.alias)
+        if self.repo:
+            return catalog.for_repo(self.repo)
+        return None
+
+    @property
+    def display(self) -> str:
+        return self.raw
+
+
+def is_quant_tag(text: str) -> bool:
+    return bool(QUANT_TAG_RE.match(text.strip()))
+
+
+def _split_revision(text: str) -> tuple[str, str | None]:
+    if "@" in text:
+        head, _, rev = text.rpartition("@")
+        if head and rev:
+            return head, rev
+    return text, None
+
+
+def parse_ref(text: str) -> ModelRef:
+    """Parse a model reference; raise UnknownModelError (with suggestions) if it is
+    none of the accepted forms."""
+    raw = text
+    s = text.strip()
+    if not s:
+        raise UnknownModelError(text)
+    p = Path(s).expanduser()
+    if s.startswith((".", "/", "~")) or s.lower().endswith(".gguf") or p.exists():
+        if p.exists():
+            return ModelRef(raw, "path", path=p)
+        raise UnknownModelError(s, hint="no such file or folder")
+    if s.lower() in DEFAULT_NAMES:
+        return ModelRef(raw, "default", alias=s.lower())
+    low = s.lower()
+    if low.startswith("ollama:"):
+        name = s.split(":", 1)[1].removeprefix("//")
+        return ModelRef(raw, "ollama", alias=name)
+    if low.startswith("lmstudio:"):
+        repo, quant = _split_quant(s.split(":", 1)[1].removeprefix("//"))
+        return ModelRef(raw, "lmstudio", repo=repo, quant=quant)
+    for prefix in _HUB_PREFIXES:
+        if low.startswith(prefix):
+            s = s[len(prefix):]
+            break
+    body, revision = _split_revision(s)
+    if "/" in body:
+        repo, quant = _split_quant(body)
+        # Web URLs: org/name/tree/<rev> or org/name/blob/<rev>/...
+        parts = repo.split("/")
+        if len(parts) > 2 and parts[2] in ("tree", "blob", "resolve") and len(parts) > 3:
+            repo, revision = "/".join(parts[:2]), revision or parts[3]
+        if _REPO_RE.match(repo):
+            return ModelRef(raw, "repo", repo=repo, quant=quant, revision=revision)
+        raise UnknownModelError(raw, hint="a Hub repo id looks like org/name[:QUANT][@revision]")
+    entry = catalog.lookup(body)
+    if entry is not None:
+        return ModelRef(raw, "alias", alias=entry.alias, revision=revision)
+    head, _, tail = body.rpartition(":")
+    if head and is_quant_tag(tail):
+        entry = catalog.lookup(head)
+        if entry is not None:
+            return ModelRef(raw, "alias", alias=entry.alias, quant=tail, revision=revision)
+    raise UnknownModelError(raw, suggest(body))
+
+
+def _split_quant(body: str) -> tuple[str, str | None]:
+    if ":" in body:
+        repo, _, quant = body.rpartition(":")
+        if repo and quant:
+            return repo, quant
+    return body, None
+
+
+def suggest(name: str, n: int = 3) -> list[str]:
+    """Close alias spellings for an unknown name ("did you mean")."""
+    pool = sorted(set(catalog.names()) | set(DEFAULT_NAMES))
+    low = name.lower()
+    found = difflib.get_close_matches(low, pool, n=n, cutoff=0.6)
+    if not found:
+        # "qwen" → every alias starting with it.
+        found = [a for a in pool if a.startswith(low.split(":")[0])][:n]
+    return found
