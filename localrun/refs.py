@@ -118,7 +118,8 @@ def parse_ref(text: str) -> ModelRef:
     if entry is not None:
         return ModelRef(raw, "alias", alias=entry.alias, revision=revision)
     head, _, tail = body.rpartition(":")
-    if head and is_quant_tag(tail):
+    # A bare number ("qwen2.5:0.5") is a mistyped size, not a quant.
+    if head and is_quant_tag(tail) and re.search(r"[A-Za-z]", tail):
         entry = catalog.lookup(head)
         if entry is not None:
             return ModelRef(raw, "alias", alias=entry.alias, quant=tail, revision=revision)

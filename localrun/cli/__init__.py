@@ -44,6 +44,8 @@ COMMANDS = (
     "run",
     "doctor",
     "plan",
+    "pull",
+    "models",
 )
 
 

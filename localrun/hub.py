@@ -1,0 +1,1197 @@
+"""The Hugging Face Hub: find a model's variant for an engine, plan the fit, download.
+
+The only module that imports ``huggingface_hub``; import it lazily (``import localrun``
+must not pull it in). Two steps, so a plan can be shown before any byte moves:
+
+    plan = plan_fetch("qwen2.5:0.5b", backend="llama.cpp", memory_budget_bytes=8 * 2**30)
+    plan.require_fit()           # ModelTooLargeError with the numbers, before downloading
+    path = fetch(plan, progress=callback)   # the .gguf file or the model folder
+
+Downloads go into the standard HF cache (``HF_HOME``/``HF_HUB_CACHE``) through
+``hf_hub_download``; huggingface_hub resumes dropped connections within a download with
+Range requests. localrun adds the LFS sha256 check of every weight file it downloads
+(a mismatch is deleted and fetched once more), a disk-space check, and errors that say
+what to do. With ``HF_HUB_OFFLINE=1`` (or no network) plans are made from the cache,
+and what is missing is named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx2
+import huggingface_hub
+from huggingface_hub import HfApi, constants, hf_hub_download, scan_cache_dir
+from huggingface_hub.errors import (
+    CacheNotFound,
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+from localrun import memory
+from localrun.backends import BACKENDS, canonical_backend
+from localrun.catalog import CatalogEntry
+from localrun.errors import (
+    ChecksumError,
+    DiskFullError,
+    HubNotFoundError,
+    LocalrunError,
+    ModelGatedError,
+    ModelTooLargeError,
+    NoVariantError,
+    OfflineMissingError,
+)
+from localrun.formats import compat
+from localrun.memory import MemoryEstimate, ModelShape
+from localrun.refs import ModelRef, parse_ref
+from localrun.stores import StoredModel, find_lmstudio, find_ollama
+
+Source = Literal["hub", "cache", "ollama", "lmstudio", "local"]
+
+#: The engine a plan is made for when the caller names none (until selection decides).
+DEFAULT_BACKEND = "llama.cpp"
+
+
+def default_backend() -> str:
+    """The backend ``localrun pull`` plans for without --backend."""
+    return DEFAULT_BACKEND
+
+
+# --- tables ------------------------------------------------------------------------------
+
+#: GGUF quant -> approximate bits per weight (llama.cpp's quantize table); the quality scale.
+GGUF_BPW: dict[str, float] = {
+    "F32": 32.0, "BF16": 16.0, "F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.56, "Q6_K_L": 6.6,
+    "Q5_1": 6.0, "Q5_K_L": 5.9, "Q5_K_M": 5.69, "Q5_K_S": 5.54, "Q5_0": 5.5,
+    "UD-Q4_K_XL": 4.9, "Q4_K_L": 4.9, "Q4_K_M": 4.85, "Q4_K_S": 4.58, "Q4_1": 5.0,
+    "Q4_0": 4.55, "IQ4_NL": 4.5, "IQ4_XS": 4.25, "MXFP4_MOE": 4.25, "MXFP4": 4.25,
+    "Q3_K_XL": 4.3, "Q3_K_L": 4.27, "Q3_K_M": 3.91, "IQ3_M": 3.66, "Q3_K_S": 3.5,
+    "IQ3_S": 3.44, "IQ3_XS": 3.3, "IQ3_XXS": 3.06, "Q2_K_L": 3.2, "Q2_K": 2.96,
+    "IQ2_M": 2.7, "IQ2_S": 2.5, "IQ2_XS": 2.31, "IQ2_XXS": 2.06, "IQ1_M": 1.75, "IQ1_S": 1.56,
+}
+
+#: The quality each format aims for by default (bits per weight); the nearest variant that
+#: fits wins. GGUF: Q4_K_M. MLX/OpenVINO/ONNX: 4-bit / int4 first. EXL2/EXL3: the largest
+#: bpw that fits (these engines run on a GPU whose memory should be used).
+DEFAULT_TARGET: dict[str, float] = {
+    "gguf": GGUF_BPW["Q4_K_M"], "mlx": 4.0, "openvino": 4.0, "onnx": 4.0,
+    "exl2": math.inf, "exl3": math.inf, "hf": 16.0,
+}
+
+#: Publishers whose quantizations are trusted after the model's own org, in order.
+TRUSTED_QUANTIZERS: tuple[str, ...] = (
+    "ggml-org", "bartowski", "unsloth", "lmstudio-community", "hugging-quants",
+    "mlx-community", "OpenVINO", "microsoft", "onnxruntime", "turboderp", "amd",
+    "MaziyarPanahi", "QuantFactory",
+)
+
+#: Hub tag that marks each format (formats without one are recognised by their files).
+FORMAT_TAGS: dict[str, str] = {"gguf": "gguf", "mlx": "mlx", "openvino": "openvino"}
+
+#: Files never needed to run a model.
+SKIP_FILE = re.compile(r"(?i)(^|/)(\.gitattributes|[^/]*\.md|measurement\.json|"
+                       r"[^/]*\.(png|jpe?g|gif|webp|pdf))$")
+#: Weight files (their sizes make up the weights estimate).
+WEIGHT_FILE = re.compile(r"(?i)\.(gguf|safetensors|bin|onnx|onnx\.data|onnx_data|data)$")
+#: GGUF files that are not the language model.
+GGUF_IGNORE = re.compile(r"(?i)(mmproj|imatrix)")
+GGUF_SHARD = re.compile(r"(?i)-(\d{5})-of-(\d{5})\.gguf$")
+GGUF_QUANT = re.compile(
+    r"(?i)(?:^|[-_.])((?:UD-)?(?:I?Q\d(?:_[0-9A-Z]+)*|BF16|F16|F32|MXFP4(?:_MOE)?))$")
+BPW_BRANCH = re.compile(r"(?i)^(\d+(?:[._]\d+)?)(?:bpw)?(?:_h\d+)?$")
+BITS_IN_NAME = re.compile(r"(?i)(?:^|[-_])(?:q|int|uint|nf)?(\d+)[-_]?bits?(?:$|[-_])")
+OV_QUANT = re.compile(r"(?i)-(int4|int8|fp16|nf4|fp32)(?:-(cw|gq|sym|asym))?-ov$")
+ONNX_BITS = re.compile(r"(?i)(?:u?int|fp|f)(\d+)")
+
+#: GGUF header bytes read to learn the model's shape (retried once with the larger size).
+GGUF_HEADER_READS = (2 * 2**20, 24 * 2**20)
+#: Hub repos examined per discovery (the search returns more).
+MAX_DISCOVERED = 8
+
+
+# --- the plan ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlannedFile:
+    path: str  # relative to the repo root
+    size: int
+    sha256: str | None = None  # LFS checksum, when the Hub gave it
+    cached: bool = False
+
+
+@dataclass(frozen=True)
+class QuantOption:
+    """One variant considered, with what it would need (shown so users can choose)."""
+
+    repo: str
+    quant: str | None
+    weights_bytes: int
+    needed_bytes: int | None  # None until the model's shape was known
+    fits: bool | None
+    revision: str | None = None
+    subfolder: str | None = None
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """What to fetch for one model on one engine, and whether it fits. Pure data.
+
+    ``files`` are what :func:`fetch` downloads (only what the engine needs);
+    ``primary`` the file the engine opens (first GGUF shard) or None for folders.
+    ``fits`` is False when even the chosen variant exceeds ``budget_bytes`` at
+    ``context``; :meth:`require_fit` turns that into ModelTooLargeError.
+    """
+
+    ref: str
+    source: Source
+    format: str
+    backend: str
+    repo: str | None
+    revision: str | None
+    commit: str | None
+    quant: str | None
+    subfolder: str | None
+    files: tuple[PlannedFile, ...]
+    primary: str | None
+    local_path: str | None
+    memory: MemoryEstimate
+    budget_bytes: int | None
+    context: int
+    max_context: int | None
+    fits: bool
+    options: tuple[QuantOption, ...] = ()
+    reasons: tuple[str, ...] = ()
+    gated: bool = False
+
+    @property
+    def download_bytes(self) -> int:
+        return sum(f.size for f in self.files if not f.cached)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def verdict(self) -> str:
+        if self.budget_bytes is None:
+            return f"needs {_gib(self.memory.total_bytes)} (no memory budget given)"
+        word = "fits" if self.fits else "does NOT fit"
+        line = (f"{word}: needs {_gib(self.memory.total_bytes)} of "
+                f"{_gib(self.budget_bytes)} at context {self.context:,}")
+        if not self.fits and self.max_context:
+            line += f"; the largest context that fits is {self.max_context:,}"
+        return line
+
+    def require_fit(self) -> None:
+        """Raise ModelTooLargeError (with needed/available bytes) unless the plan fits."""
+        if self.fits or self.budget_bytes is None:
+            return
+        raise ModelTooLargeError(
+            self.repo or self.ref, quant=self.quant, needed_bytes=self.memory.total_bytes,
+            available_bytes=self.budget_bytes, context=self.context,
+            max_context=self.max_context or 0, breakdown=self.memory.breakdown())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["memory"] = self.memory.to_dict()
+        d["download_bytes"] = self.download_bytes
+        d["verdict"] = self.verdict
+        return d
+
+
+@dataclass(frozen=True)
+class DownloadProgress:
+    """Reported to fetch()'s callback as bytes arrive (``delta`` may be negative when a
+    server ignores a resume request and the file restarts)."""
+
+    file: str
+    index: int  # 1-based, among the files being downloaded
+    count: int
+    delta: int
+    file_done: int
+    file_total: int | None
+    done: int
+    total: int
+
+
+ProgressCallback = Callable[[DownloadProgress], None]
+
+
+# --- what a repo holds ----------------------------------------------------------------------
+
+@dataclass
+class _Listing:
+    repo: str
+    revision: str
+    commit: str | None
+    files: dict[str, PlannedFile]
+    tags: list[str] = field(default_factory=list)
+    gated: bool = False
+    config: dict[str, Any] | None = None
+    downloads: int = 0
+    source: Source = "hub"
+    snapshot: Path | None = None  # cache listings: the snapshot folder
+
+
+@dataclass(frozen=True)
+class _Cand:
+    listing: _Listing
+    format: str
+    quant: str | None
+    bpw: float
+    files: tuple[str, ...]
+    primary: str | None = None
+    subfolder: str | None = None
+    penalty: float = 0.0  # pushes device-mismatched variants back
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(self.listing.files[f].size for f in self.files if WEIGHT_FILE.search(f))
+
+    @property
+    def label(self) -> str:
+        where = f"@{self.listing.revision}" if self.format in ("exl2", "exl3") else ""
+        sub = f"/{self.subfolder}" if self.subfolder else ""
+        return f"{self.listing.repo}{where}{sub}" + (f":{self.quant}" if self.quant else "")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _offline() -> bool:
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _cache_dir() -> str:
+    # Read at call time: tests and users may move the cache after import.
+    return str(constants.HF_HUB_CACHE)
+
+
+def _api() -> HfApi:
+    return HfApi()
+
+
+def _is_network_error(exc: BaseException) -> bool:
+    return isinstance(exc, (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled))
+
+
+def _hub_listing(repo: str, revision: str | None) -> _Listing:
+    api = _api()
+    try:
+        info = api.model_info(repo, revision=revision)
+        commit = info.sha
+        tree = list(api.list_repo_tree(repo, recursive=True, revision=commit or revision))
+    except GatedRepoError as e:
+        raise ModelGatedError(repo) from e
+    except RevisionNotFoundError as e:
+        raise HubNotFoundError(repo, revision=revision) from e
+    except RepositoryNotFoundError as e:
+        raise HubNotFoundError(repo) from e
+    files: dict[str, PlannedFile] = {}
+    for f in tree:
+        if isinstance(f, huggingface_hub.hf_api.RepoFile):
+            sha = f.lfs.sha256 if f.lfs is not None else None
+            files[f.path] = PlannedFile(f.path, int(f.size), sha)
+    config = info.config if isinstance(info.config, dict) else None
+    return _Listing(repo=repo, revision=revision or "main", commit=commit, files=files,
+                    tags=list(info.tags or []), gated=bool(info.gated), config=config,
+                    downloads=int(info.downloads or 0))
+
+
+def _cached_repos() -> dict[str, Any]:
+    try:
+        info = scan_cache_dir(_cache_dir())
+    except CacheNotFound:
+        return {}
+    return {r.repo_id: r for r in info.repos if r.repo_type == "model"}
+
+
+def _cache_listing(repo: str, revision: str | None, cached: dict[str, Any]) -> _Listing | None:
+    """The cached snapshot of ``repo`` at ``revision`` (branch or commit), if any."""
+    entry = cached.get(repo)
+    if entry is None:
+        return None
+    rev = revision or "main"
+    chosen = entry.refs.get(rev)
+    if chosen is None:
+        chosen = next((r for r in entry.revisions if r.commit_hash.startswith(rev)), None)
+    if chosen is None:
+        return None
+    snap = Path(chosen.snapshot_path)
+    files = {}
+    for f in chosen.files:
+        rel = Path(f.file_path).relative_to(snap).as_posix()
+        files[rel] = PlannedFile(rel, int(f.size_on_disk), None, cached=True)
+    config = None
+    if (snap / "config.json").is_file():
+        try:
+            loaded = json.loads((snap / "config.json").read_text(encoding="utf-8"))
+            config = loaded if isinstance(loaded, dict) else None
+        except (OSError, ValueError):
+            config = None
+    return _Listing(repo=repo, revision=rev, commit=chosen.commit_hash, files=files,
+                    config=config, source="cache", snapshot=snap)
+
+
+# --- format and variants of one repo ----------------------------------------------------------
+
+def repo_format(listing: _Listing) -> str:
+    """The format a repo holds, from its tags, file names and config."""
+    names = list(listing.files)
+    qc = (listing.config or {}).get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if any(n.lower().endswith(".gguf") and not GGUF_IGNORE.search(n) for n in names):
+        return "gguf"
+    if any(n.rsplit("/", 1)[-1] == "genai_config.json" for n in names):
+        return "onnx"
+    if any(n.rsplit("/", 1)[-1] in ("openvino_model.xml", "openvino_language_model.xml")
+           for n in names):
+        return "openvino"
+    if method in ("exl2", "exl3"):
+        return str(method)
+    low = listing.repo.lower()
+    if low.endswith(("-exl2", "_exl2")):
+        return "exl2"
+    if low.endswith(("-exl3", "_exl3")):
+        return "exl3"
+    if "mlx" in listing.tags or isinstance((listing.config or {}).get("quantization"), dict):
+        return "mlx"
+    if "gguf" in listing.tags:
+        return "gguf"
+    if isinstance(method, str):
+        return method
+    return "hf"
+
+
+def gguf_quant(filename: str) -> str | None:
+    """``qwen2.5-0.5b-instruct-q4_k_m.gguf`` -> ``Q4_K_M`` (shard suffixes ignored)."""
+    stem = GGUF_SHARD.sub("", filename.rsplit("/", 1)[-1])
+    stem = re.sub(r"(?i)\.gguf$", "", stem)
+    m = GGUF_QUANT.search(stem)
+    return m.group(1).upper() if m else None
+
+
+def _gguf_candidates(listing: _Listing) -> tuple[list[_Cand], list[str]]:
+    """One candidate per quant (shards grouped); also the names of incomplete shard sets."""
+    groups: dict[str, list[str]] = {}
+    for name in sorted(listing.files):
+        if not name.lower().endswith(".gguf") or GGUF_IGNORE.search(name):
+            continue
+        q = gguf_quant(name) or "?"
+        groups.setdefault(q, []).append(name)
+    cands: list[_Cand] = []
+    incomplete: list[str] = []
+    for q, files in groups.items():
+        shards = [f for f in files if GGUF_SHARD.search(f)]
+        singles = [f for f in files if not GGUF_SHARD.search(f)]
+        if singles:
+            cands.append(_Cand(listing, "gguf", None if q == "?" else q,
+                               GGUF_BPW.get(q, 8.0), (singles[0],), primary=singles[0]))
+        if shards:
+            m = GGUF_SHARD.search(shards[0])
+            assert m is not None
+            n = int(m.group(2))
+            stem = GGUF_SHARD.sub("", shards[0])
+            want = [f"{stem}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+            have = {s.lower(): s for s in shards}
+            missing = [w for w in want if w.lower() not in have]
+            if missing:
+                incomplete.extend(missing)
+                continue
+            ordered = tuple(have[w.lower()] for w in want)
+            cands.append(_Cand(listing, "gguf", None if q == "?" else q,
+                               GGUF_BPW.get(q, 8.0), ordered, primary=ordered[0]))
+    return cands, incomplete
+
+
+def _all_files(listing: _Listing, under: str = "") -> tuple[str, ...]:
+    prefix = f"{under}/" if under else ""
+    return tuple(sorted(n for n in listing.files
+                        if n.startswith(prefix) and not SKIP_FILE.search(n)))
+
+
+def _named_bits(name: str) -> float | None:
+    low = name.lower()
+    if re.search(r"(?:^|[-_])(bf16|fp16|f16)(?:$|[-_])", low):
+        return 16.0
+    m = BITS_IN_NAME.search(low)
+    return float(m.group(1)) if m else None
+
+
+def _variant_candidates(listing: _Listing, fmt: str, device: str | None) -> tuple[
+        list[_Cand], list[str]]:
+    """Every variant of ``fmt`` inside one repo listing (and missing shard names)."""
+    if fmt == "gguf":
+        return _gguf_candidates(listing)
+    if fmt == "onnx":
+        out = []
+        for n in listing.files:
+            parts = n.split("/")
+            if parts[-1] != "genai_config.json":
+                continue
+            sub = "/".join(parts[:-1])
+            label = sub or listing.repo.split("/")[-1]
+            m = ONNX_BITS.search(label.rsplit("/", 1)[-1])
+            bits = float(m.group(1)) if m else 16.0
+            on_gpu = bool(re.search(r"(?i)(gpu|cuda|dml|directml)", sub))
+            want_gpu = device in ("cuda", "gpu", "dml", "directml", "rocm")
+            quant = f"int{int(bits)}" if m and "int" in m.group(0).lower() else (
+                f"fp{int(bits)}" if m else None)
+            out.append(_Cand(listing, "onnx", quant, bits, _all_files(listing, sub),
+                             subfolder=sub or None,
+                             penalty=0.0 if on_gpu == want_gpu else 0.5))
+        return out, []
+    name = listing.repo.split("/")[-1]
+    if fmt == "openvino":
+        m = OV_QUANT.search(name)
+        quant = m.group(1).lower() if m else None
+        bits = {"int4": 4.0, "nf4": 4.0, "int8": 8.0, "fp16": 16.0, "fp32": 32.0}.get(
+            quant or "", 16.0)
+        npu_tuned = bool(m and m.group(2))
+        penalty = 0.0 if npu_tuned == (device == "npu") else 0.5
+        return [_Cand(listing, fmt, quant, bits, _all_files(listing), penalty=penalty)], []
+    if fmt in ("exl2", "exl3"):
+        qc = (listing.config or {}).get("quantization_config") or {}
+        qbits = qc.get("bits") if isinstance(qc, dict) else None
+        m = BPW_BRANCH.match(listing.revision)
+        bpw = float(qbits) if isinstance(qbits, (int, float)) else (
+            float(m.group(1).replace("_", ".")) if m else None)
+        if bpw is None or not any(n.endswith(".safetensors") for n in listing.files):
+            return [], []
+        return [_Cand(listing, fmt, listing.revision if m else f"{bpw}bpw", bpw,
+                      _all_files(listing))], []
+    if fmt == "mlx":
+        q = (listing.config or {}).get("quantization")
+        mbits = q.get("bits") if isinstance(q, dict) else None
+        b = float(mbits) if isinstance(mbits, int) else _named_bits(name) or 16.0
+        quant = "bf16" if b == 16.0 else f"{int(b)}bit"
+        return [_Cand(listing, fmt, quant, b, _all_files(listing))], []
+    return [_Cand(listing, fmt, None, 16.0, _all_files(listing))], []
+
+
+def quant_matches(cand_quant: str | None, cand_bpw: float, fmt: str, tag: str) -> bool:
+    """Does a user's quant tag (``Q4_K_M``, ``4bit``, ``int4``, ``4.0bpw``) name this variant?"""
+    t = tag.strip().lower()
+    q = (cand_quant or "").lower()
+    if q and t == q:
+        return True
+    if fmt == "gguf":
+        return bool(q) and (t.replace("-", "_") == q.replace("-", "_"))
+    if fmt in ("exl2", "exl3"):
+        bm = BPW_BRANCH.match(t)
+        return bm is not None and abs(float(bm.group(1).replace("_", ".")) - cand_bpw) < 1e-6
+    m = re.match(r"^(?:q|u?int|nf)?(\d+)(?:[-_]?bits?)?$", t)
+    if m:
+        return abs(float(m.group(1)) - cand_bpw) < 1e-6
+    if t in ("bf16", "fp16", "f16"):
+        return cand_bpw == 16.0
+    return False
+
+
+# --- discovery ----------------------------------------------------------------------------------
+
+def _trust_rank(repo: str, own_org: str | None) -> int:
+    org = repo.split("/")[0]
+    if own_org and org.lower() == own_org.lower():
+        return 0
+    for i, name in enumerate(TRUSTED_QUANTIZERS):
+        if org.lower() == name.lower():
+            return 1 + i
+    return 100
+
+
+def _search_children(base: str, fmt: str) -> list[tuple[str, int]]:
+    """Quantized children of ``base`` in ``fmt`` from the Hub's model tree: (repo, downloads)."""
+    filters = [f"base_model:quantized:{base}"]
+    if fmt in FORMAT_TAGS:
+        filters.append(FORMAT_TAGS[fmt])
+    found = []
+    for m in _api().list_models(filter=filters, sort="downloads", limit=50):
+        rid = m.id
+        tags = m.tags or []
+        low = rid.lower()
+        if fmt in FORMAT_TAGS or (fmt == "onnx" and ("onnx" in low or "onnx" in tags)) or (
+                fmt in ("exl2", "exl3") and fmt in low):
+            found.append((rid, int(m.downloads or 0)))
+    return found
+
+
+def _candidate_repos(ref: ModelRef, base: str | None, fmt: str,
+                     entry: CatalogEntry | None) -> list[str]:
+    """Repos to look in, best first: verified catalog variants, then the Hub's model
+    tree ranked by publisher trust and downloads, then unverified catalog entries."""
+    verified = [v.repo for v in (entry.variants_for(fmt) if entry else []) if v.verified]
+    unverified = [v.repo for v in (entry.variants_for(fmt) if entry else []) if not v.verified]
+    discovered: list[str] = []
+    if base and not _offline():
+        own = base.split("/")[0]
+        try:
+            children = _search_children(base, fmt)
+        except (HfHubHTTPError, httpx2.HTTPError, OfflineModeIsEnabled):
+            children = []
+        children.sort(key=lambda rd: (_trust_rank(rd[0], own), -rd[1]))
+        discovered = [r for r, _ in children]
+    out: list[str] = []
+    for r in [*verified, *discovered, *unverified]:
+        if r not in out:
+            out.append(r)
+    return out
+
+
+# --- the model's shape (for the KV cache) ---------------------------------------------------------
+
+def _read_shape(cand: _Cand) -> ModelShape | None:
+    """From GGUF metadata (a Range read of the file's head) or config.json /
+    genai_config.json; never downloads weights."""
+    lst = cand.listing
+    try:
+        if cand.format == "gguf" and cand.primary:
+            if lst.snapshot is not None:
+                with open(lst.snapshot / cand.primary, "rb") as fh:
+                    return _shape_from_gguf_head(lambda n: fh.read(n))
+            if lst.source == "hub":
+                return _shape_from_gguf_head(lambda n: _range_read(lst, cand.primary or "", n))
+            return None
+        name = f"{cand.subfolder}/genai_config.json" if cand.subfolder else (
+            "genai_config.json" if "genai_config.json" in lst.files else "config.json")
+        if name not in lst.files:
+            return memory.shape_from_config(lst.config) if lst.config else None
+        if lst.snapshot is not None:
+            path = str(lst.snapshot / name)
+        else:
+            path = hf_hub_download(lst.repo, name, revision=lst.commit or lst.revision)
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return memory.shape_from_config(data) if isinstance(data, dict) else None
+    except (OSError, ValueError, HfHubHTTPError, httpx2.HTTPError):
+        return None
+
+
+def _shape_from_gguf_head(read: Callable[[int], bytes]) -> ModelShape | None:
+    buf = b""
+    for size in GGUF_HEADER_READS:
+        buf = read(size) if not buf else buf + read(size - len(buf))
+        try:
+            return memory.shape_from_gguf_metadata(memory.gguf_metadata_from_bytes(buf))
+        except EOFError:
+            continue
+    return None
+
+
+def _range_read(lst: _Listing, path: str, n: int) -> bytes:
+    """The first ``n`` bytes of a repo file (one HTTP Range request)."""
+    from huggingface_hub.utils import _headers, _http
+
+    url = huggingface_hub.hf_hub_url(lst.repo, path, revision=lst.commit or lst.revision)
+    headers = _headers.build_hf_headers()
+    headers["Range"] = f"bytes=0-{n - 1}"
+    r = _http.get_session().get(url, headers=headers, follow_redirects=True)
+    _http.hf_raise_for_status(r)
+    return bytes(r.content[:n])
+
+
+# --- planning -----------------------------------------------------------------------------------
+
+def plan_fetch(
+    ref: str | ModelRef,
+    *,
+    backend: str | None = None,
+    format: str | None = None,
+    memory_budget_bytes: int | None = None,
+    context: int | None = None,
+    quant: str | None = None,
+    device: str | None = None,
+    allow_unoptimized: bool = False,
+) -> FetchPlan:
+    """Plan what to download for ``ref`` on ``backend``, before downloading anything.
+
+    ``ref``: anything :func:`localrun.refs.parse_ref` accepts. ``backend``: the engine
+    (default :func:`default_backend`); ``format``: override the format it wants (default:
+    the engine's native one). ``memory_budget_bytes``: free VRAM / unified memory / RAM;
+    None skips the fit check. ``context``: tokens of KV cache to plan for (default: the
+    model's trained context, at most 8192). ``quant``: a tag overriding the one in ``ref``.
+    ``device``: "cpu", "cuda", "npu", … (chooses among ONNX/OpenVINO device variants).
+
+    Network use: Hub API calls (model info, file tree, refs, search) and, only once the
+    weights fit the budget, a small read of the model's header or config.json for the
+    KV-cache size. Raises UnknownModelError, HubNotFoundError, NoVariantError,
+    FormatMismatchError, OfflineMissingError. A plan that does not fit is returned with
+    ``fits=False`` (call ``require_fit()`` to refuse).
+    """
+    r = ref if isinstance(ref, ModelRef) else parse_ref(ref)
+    name = canonical_backend(backend or default_backend())
+    fmt = format or BACKENDS[name].formats[0]
+    want_quant = quant or r.quant
+
+    local = _plan_local(r, name, fmt, want_quant, memory_budget_bytes, context)
+    if local is not None:
+        return local
+
+    entry = r.entry
+    base: str | None
+    reasons: list[str] = []
+    listings: list[_Listing] = []
+    offline_reason = "HF_HUB_OFFLINE=1 is set" if _offline() else None
+    cached = _cached_repos() if offline_reason else {}
+
+    def listing(repo: str, revision: str | None) -> _Listing | None:
+        nonlocal offline_reason, cached
+        if offline_reason is None:
+            try:
+                return _hub_listing(repo, revision)
+            except HubNotFoundError:
+                if repo == r.repo:
+                    raise
+                return None
+            except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled) as e:
+                offline_reason = f"the Hub cannot be reached ({type(e).__name__})"
+                cached = _cached_repos()
+        return _cache_listing(repo, revision, cached)
+
+    if r.kind == "repo":
+        assert r.repo is not None
+        first = listing(r.repo, r.revision)
+        if first is None:
+            raise OfflineMissingError(r.raw, [f"{r.repo}@{r.revision or 'main'}"],
+                                      reason=offline_reason or "not cached")
+        own_fmt = repo_format(first)
+        if own_fmt != "hf" or (first.config or {}).get("quantization_config"):
+            # The repo is itself a variant: its format decides.
+            if own_fmt != fmt:
+                compat.check(own_fmt, name, model=r.repo, allow_unoptimized=allow_unoptimized)
+                fmt = own_fmt
+            listings = [first]
+            if fmt in ("exl2", "exl3") and r.revision is None:
+                listings = _exl_branches(first, listing)
+            base = None
+            reasons.append(f"{r.repo} is a {fmt} repo")
+        else:
+            base = r.repo
+            reasons.append(f"{r.repo} is the original model; looking for its {fmt} variants")
+    else:  # alias
+        assert entry is not None
+        base = entry.base
+        reasons.append(f"alias {r.alias} is {entry.base}")
+
+    if base is not None:
+        repos = _candidate_repos(r, base, fmt, entry or _entry_for(base))
+        if offline_reason:
+            stem = base.split("/")[-1].lower()
+            repos += [rid for rid in cached if stem in rid.lower() and rid not in repos]
+        for rid in repos[:MAX_DISCOVERED]:
+            lst = listing(rid, None)
+            if lst is None:
+                continue
+            if repo_format(lst) != fmt:
+                continue
+            if fmt in ("exl2", "exl3"):
+                listings.extend(_exl_branches(lst, listing))
+            else:
+                listings.append(lst)
+        if not listings and offline_reason is None and compat.support("hf", name) == "loads" \
+                and allow_unoptimized:
+            base_lst = listing(base, r.revision)
+            if base_lst is not None:
+                listings.append(base_lst)
+                fmt = "hf"
+        if not listings:
+            if offline_reason:
+                raise OfflineMissingError(
+                    r.raw, [f"any {fmt} variant of {base}"
+                            + (f" (e.g. {', '.join(repos[:3])})" if repos else "")],
+                    reason=offline_reason)
+            raise NoVariantError(r.raw, format=fmt, backend=name, tried=repos or [base])
+
+    cands: list[_Cand] = []
+    missing: list[str] = []
+    for lst in listings:
+        cs, inc = _variant_candidates(lst, fmt, device)
+        cands.extend(cs)
+        missing.extend(f"{lst.repo}: {m}" for m in inc)
+    if want_quant:
+        matching = [c for c in cands if quant_matches(c.quant, c.bpw, fmt, want_quant)]
+        if not matching:
+            have = sorted({c.quant for c in cands if c.quant})
+            if offline_reason:
+                raise OfflineMissingError(
+                    r.raw, [f"{want_quant} of {r.repo or base}", *missing], reason=offline_reason,
+                    hint="cached quants: " + (", ".join(have) or "none")
+                    + f"; connect and run `localrun pull {r.raw}`")
+            raise NoVariantError(
+                r.raw, format=fmt, backend=name, tried=[lst.repo for lst in listings],
+                hint=f"no {want_quant} file; available: {', '.join(have) or 'none'}")
+        cands = matching
+    if not cands:
+        if offline_reason:
+            raise OfflineMissingError(r.raw, missing or [f"{fmt} files of {r.repo or base}"],
+                                      reason=offline_reason)
+        raise NoVariantError(r.raw, format=fmt, backend=name,
+                             tried=[lst.repo for lst in listings])
+    if offline_reason:
+        reasons.append(f"{offline_reason}: planned from the Hugging Face cache")
+    return _choose(r, name, fmt, cands, base, memory_budget_bytes, context, reasons,
+                   target=DEFAULT_TARGET.get(fmt, 4.0), explicit=bool(want_quant))
+
+
+def _entry_for(repo: str) -> CatalogEntry | None:
+    from localrun import catalog
+
+    return catalog.for_repo(repo)
+
+
+def _exl_branches(first: _Listing, listing: Callable[[str, str | None], _Listing | None]
+                  ) -> list[_Listing]:
+    """EXL2/EXL3 repos keep each bpw on its own branch (main may hold only a README)."""
+    out = [first] if BPW_BRANCH.match(first.revision) or _has_weights(first) else []
+    if first.source == "cache":
+        entry = _cached_repos().get(first.repo)
+        names = sorted(entry.refs) if entry is not None else []
+    else:
+        try:
+            names = [b.name for b in _api().list_repo_refs(first.repo).branches]
+        except (HfHubHTTPError, httpx2.HTTPError):
+            names = []
+    for b in names:
+        if b != first.revision and BPW_BRANCH.match(b):
+            lst = listing(first.repo, b)
+            if lst is not None:
+                out.append(lst)
+    return out
+
+
+def _has_weights(lst: _Listing) -> bool:
+    return any(n.endswith(".safetensors") for n in lst.files)
+
+
+def _choose(r: ModelRef, backend: str, fmt: str, cands: list[_Cand], base: str | None,
+            budget: int | None, context: int | None, reasons: list[str], *, target: float,
+            explicit: bool) -> FetchPlan:
+    own = (base or cands[0].listing.repo).split("/")[0]
+    repo_order = {c.listing.repo: i for i, c in enumerate(
+        sorted(cands, key=lambda c: _trust_rank(c.listing.repo, own)))}
+
+    def key(c: _Cand) -> tuple[float, float, int, float]:
+        dist = -c.bpw if math.isinf(target) else abs(c.bpw - target)
+        return (round(dist, 2), c.penalty, repo_order[c.listing.repo], -c.bpw)
+
+    ordered = sorted(cands, key=key)
+    shape: ModelShape | None = None
+    shape_read = False
+    options: list[QuantOption] = []
+    chosen: _Cand | None = None
+    chosen_est: MemoryEstimate | None = None
+    ctx = context or 4096
+
+    for c in ordered:
+        w = c.weights_bytes
+        if budget is not None and w + memory.overhead_bytes(w) > budget:
+            # The weights alone do not fit: no need to read anything more.
+            options.append(QuantOption(c.listing.repo, c.quant, w,
+                                       w + memory.overhead_bytes(w), False,
+                                       c.listing.revision, c.subfolder))
+            continue
+        if not shape_read:
+            shape, shape_read = _read_shape(c), True
+            if context is None:
+                trained = shape.trained_context if shape else None
+                ctx = min(trained or 4096, 8192)
+        est = memory.estimate(w, shape, ctx)
+        fits = budget is None or est.total_bytes <= budget
+        options.append(QuantOption(c.listing.repo, c.quant, w, est.total_bytes, fits,
+                                   c.listing.revision, c.subfolder))
+        if fits and chosen is None:
+            chosen, chosen_est = c, est
+            if budget is None:
+                break
+    if chosen is None:
+        # Nothing fits: report the smallest (explicit: the one asked for) with its numbers.
+        chosen = ordered[0] if explicit else min(ordered, key=lambda c: c.weights_bytes)
+        chosen_est = memory.estimate(chosen.weights_bytes, shape, ctx)
+    assert chosen_est is not None
+    trained = shape.trained_context if shape else None
+    max_ctx = (memory.max_context(chosen.weights_bytes, shape, budget, limit=trained)
+               if budget is not None else None)
+    fits = budget is None or chosen_est.total_bytes <= budget
+    lst = chosen.listing
+    reasons.append(f"chose {chosen.label}" + (
+        " (asked for)" if explicit else f" (default quality {fmt_target(fmt)}, nearest that fits)"))
+    if shape is None:
+        reasons.append("KV cache size unknown (no GGUF header or config.json read)")
+    if lst.gated and huggingface_hub.get_token() is None:
+        reasons.append(f"{lst.repo} is gated: set HF_TOKEN after accepting its licence")
+    files = tuple(_with_cache_state(lst, lst.files[f]) for f in chosen.files)
+    return FetchPlan(
+        ref=r.raw, source="cache" if lst.source == "cache" else "hub", format=fmt,
+        backend=backend, repo=lst.repo, revision=lst.revision, commit=lst.commit,
+        quant=chosen.quant, subfolder=chosen.subfolder, files=files, primary=chosen.primary,
+        local_path=None, memory=chosen_est, budget_bytes=budget, context=ctx,
+        max_context=max_ctx, fits=fits, options=tuple(options), reasons=tuple(reasons),
+        gated=lst.gated)
+
+
+def fmt_target(fmt: str) -> str:
+    return {"gguf": "Q4_K_M", "mlx": "4-bit", "openvino": "int4", "onnx": "int4",
+            "exl2": "largest bpw", "exl3": "largest bpw"}.get(fmt, "default")
+
+
+def _with_cache_state(lst: _Listing, f: PlannedFile) -> PlannedFile:
+    if f.cached or lst.commit is None:
+        return f
+    hit = huggingface_hub.try_to_load_from_cache(lst.repo, f.path, cache_dir=_cache_dir(),
+                                                 revision=lst.commit)
+    return replace(f, cached=isinstance(hit, str))
+
+
+def _plan_local(r: ModelRef, backend: str, fmt: str, quant: str | None, budget: int | None,
+                context: int | None) -> FetchPlan | None:
+    """Models that need no download: local paths, the packaged default, Ollama, LM Studio."""
+    found: StoredModel | None = None
+    if r.kind in ("path", "default"):
+        from localrun.formats.detect import detect
+        from localrun.stores import default_model_path
+
+        p = r.path if r.kind == "path" else default_model_path()
+        assert p is not None
+        d = detect(p)
+        size = p.stat().st_size if p.is_file() else sum(
+            f.stat().st_size for f in p.rglob("*") if f.is_file())
+        found = StoredModel(r.raw, d.path, d.format, d.quantization, size, "default")
+        source: Source = "local"
+    elif r.kind == "ollama":
+        found = find_ollama(r.alias or "")
+        if found is None:
+            raise HubNotFoundError(f"ollama:{r.alias}", hint=f"ollama pull {r.alias}")
+        source = "ollama"
+    elif r.kind == "lmstudio":
+        found = find_lmstudio(r.repo or "", quant)
+        if found is None:
+            raise HubNotFoundError(f"lmstudio:{r.repo}", hint="download it in LM Studio, or "
+                                   f"localrun pull {r.repo}")
+        source = "lmstudio"
+    elif fmt == "gguf" and r.kind == "alias" and r.alias:
+        hit = find_ollama(r.alias)
+        if hit is not None and (quant is None or (hit.quant or "").lower() == quant.lower()):
+            found, source = hit, "ollama"
+    elif fmt == "gguf" and r.kind == "repo" and r.repo and r.revision is None:
+        hit = find_lmstudio(r.repo, quant)
+        if hit is not None:
+            found, source = hit, "lmstudio"
+    if found is None:
+        return None
+    if found.format != fmt:
+        compat.check(found.format, backend, model=r.raw)
+    shape = None
+    if found.format == "gguf":
+        try:
+            with open(found.path, "rb") as fh:
+                shape = _shape_from_gguf_head(lambda n: fh.read(n))
+        except OSError:
+            shape = None
+    ctx = context or min((shape.trained_context if shape else None) or 4096, 8192)
+    est = memory.estimate(found.size, shape, ctx)
+    fits = budget is None or est.total_bytes <= budget
+    max_ctx = memory.max_context(found.size, shape, budget,
+                                 limit=shape.trained_context if shape else None) \
+        if budget is not None else None
+    return FetchPlan(
+        ref=r.raw, source=source, format=found.format, backend=backend, repo=found.repo,
+        revision=None, commit=None, quant=found.quant, subfolder=None, files=(),
+        primary=None, local_path=found.path, memory=est, budget_bytes=budget, context=ctx,
+        max_context=max_ctx, fits=fits,
+        reasons=(f"found in place ({source}): {found.path}",))
+
+
+# --- downloading --------------------------------------------------------------------------------
+
+def _bar_class(report: Callable[[int, int | None], None]) -> type:
+    """A tqdm stand-in for huggingface_hub's ``tqdm_class`` that forwards byte counts.
+
+    It implements what ``http_get``/``xet_get`` call on a bar (the same surface as
+    huggingface_hub's own aggregated bar), and draws nothing: the caller renders.
+    """
+
+    class _Bar:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.total = kwargs.get("total")
+            self.n = int(kwargs.get("initial") or 0)
+            self.format_dict: dict[str, Any] = {}
+            if self.n:
+                report(self.n, self.total)
+
+        def __enter__(self) -> _Bar:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def update(self, n: float | None = 1) -> None:
+            d = int(n or 0)
+            self.n += d
+            report(d, self.total)
+
+        def update_transfer(self, n: float | None = 1) -> None:
+            return None
+
+        def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        set_transfer_postfix_str = set_description = set_description_str = set_postfix_str
+
+        def refresh(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def close(self) -> None:
+            return None
+
+    return _Bar
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_disk(needed: int) -> None:
+    p = Path(_cache_dir())
+    probe = p
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        raise DiskFullError(str(p), needed_bytes=needed, free_bytes=free)
+
+
+def _drop_cached(pointer: str) -> None:
+    blob = os.path.realpath(pointer)
+    for p in {pointer, blob}:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
+def fetch(plan: FetchPlan, *, progress: ProgressCallback | None = None,
+          verify: Literal["new", "all"] = "new") -> Path:
+    """Download what ``plan`` names into the HF cache; return what the engine opens.
+
+    Returns the GGUF file (first shard) for GGUF plans, the variant folder for ONNX,
+    else the snapshot folder; for in-place models (Ollama, LM Studio, local) their path.
+    Refuses a plan that does not fit (ModelTooLargeError) before any download. Every
+    file with an LFS sha256 that this call downloaded (``verify="all"``: every file) is
+    checked; a mismatch is deleted and downloaded once more, then ChecksumError.
+    Raises ModelGatedError, HubNotFoundError, OfflineMissingError, DiskFullError.
+    """
+    plan.require_fit()
+    if plan.local_path is not None:
+        return Path(plan.local_path)
+    assert plan.repo is not None
+    revision = plan.revision or "main"
+    todo = [f for f in plan.files if not _cached_now(plan, f)]
+    if _offline() and todo:
+        raise OfflineMissingError(plan.ref, [f"{plan.repo}/{f.path}" for f in todo],
+                                  reason="HF_HUB_OFFLINE=1 is set")
+    _check_disk(sum(f.size for f in todo))
+    total = sum(f.size for f in todo)
+    done = 0
+    paths: dict[str, str] = {}
+    index = 0
+    for f in plan.files:
+        fresh = f in todo
+        if fresh:
+            index += 1
+        state = {"file_done": 0}
+
+        def report(delta: int, file_total: int | None, f: PlannedFile = f,
+                   i: int = index, state: dict[str, int] = state) -> None:
+            nonlocal done
+            done += delta
+            state["file_done"] += delta
+            if progress is not None:
+                progress(DownloadProgress(f.path, i, len(todo), delta, state["file_done"],
+                                          file_total, done, total))
+
+        path = _download(plan, f.path, revision, _bar_class(report) if fresh else None)
+        if f.sha256 and (fresh or verify == "all"):
+            actual = sha256_file(path)
+            if actual != f.sha256:
+                _drop_cached(path)
+                done -= state["file_done"]
+                state["file_done"] = 0
+                path = _download(plan, f.path, revision, _bar_class(report), force=True)
+                actual = sha256_file(path)
+                if actual != f.sha256:
+                    _drop_cached(path)
+                    raise ChecksumError(path, expected=f.sha256, actual=actual)
+        elif f.size and os.path.getsize(path) != f.size and WEIGHT_FILE.search(f.path) \
+                and plan.source == "hub":
+            raise ChecksumError(path, expected=f"{f.size} bytes",
+                                actual=f"{os.path.getsize(path)} bytes")
+        paths[f.path] = path
+    first = next(iter(paths.items()), None)
+    if first is None:
+        raise HubNotFoundError(plan.repo, hint="the plan names no files")
+    rel, abs_path = first
+    root = Path(abs_path)
+    for _ in rel.split("/"):
+        root = root.parent
+    if plan.primary:
+        return root / plan.primary
+    if plan.subfolder:
+        return root / plan.subfolder
+    return root
+
+
+def _cached_now(plan: FetchPlan, f: PlannedFile) -> bool:
+    assert plan.repo is not None
+    hit = huggingface_hub.try_to_load_from_cache(
+        plan.repo, f.path, cache_dir=_cache_dir(), revision=plan.commit or plan.revision)
+    return isinstance(hit, str)
+
+
+def _download(plan: FetchPlan, filename: str, revision: str, bar: type | None,
+              force: bool = False) -> str:
+    assert plan.repo is not None
+    try:
+        return str(hf_hub_download(plan.repo, filename, revision=revision,
+                                   cache_dir=_cache_dir(), tqdm_class=bar,
+                                   force_download=force))
+    except GatedRepoError as e:
+        raise ModelGatedError(plan.repo) from e
+    except RevisionNotFoundError as e:
+        raise HubNotFoundError(plan.repo, revision=revision) from e
+    except RemoteEntryNotFoundError as e:
+        raise HubNotFoundError(plan.repo, revision=revision, filename=filename) from e
+    except RepositoryNotFoundError as e:
+        raise HubNotFoundError(plan.repo) from e
+    except LocalEntryNotFoundError as e:
+        reason = "HF_HUB_OFFLINE=1 is set" if _offline() else "the Hub cannot be reached"
+        raise OfflineMissingError(plan.ref, [f"{plan.repo}/{filename}"], reason=reason) from e
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise DiskFullError(_cache_dir(), needed_bytes=plan.download_bytes,
+                                free_bytes=shutil.disk_usage(_cache_dir()).free) from e
+        if isinstance(e, HfHubHTTPError) or _is_network_error(e):
+            raise
+        raise
+
+
+# --- the cache: list and remove ------------------------------------------------------------------
+
+def cached_models() -> list[StoredModel]:
+    """Models in the HF cache: one row per GGUF quant, per EXL branch, per ONNX variant,
+    else per repo."""
+    out: list[StoredModel] = []
+    for repo_id, entry in sorted(_cached_repos().items()):
+        for ref_name, rev in sorted(entry.refs.items()):
+            lst = _cache_listing(repo_id, ref_name, {repo_id: entry})
+            if lst is None:
+                continue
+            fmt = repo_format(lst)
+            cands, _ = _variant_candidates(lst, fmt, None)
+            for c in cands:
+                size = sum(lst.files[f].size for f in c.files if f in lst.files)
+                if fmt == "gguf" and c.primary:
+                    name = f"{repo_id}:{c.quant}" if c.quant else repo_id
+                    path = str(Path(rev.snapshot_path) / c.primary)
+                elif fmt == "onnx" and c.subfolder:
+                    name, path = repo_id, str(Path(rev.snapshot_path) / c.subfolder)
+                else:
+                    name, path = repo_id, str(rev.snapshot_path)
+                if ref_name != "main":
+                    name += f"@{ref_name}"
+                out.append(StoredModel(name=name, path=path, format=fmt, quant=c.quant,
+                                       size=size, store="hf", repo=repo_id, revision=ref_name))
+    return out
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What ``remove`` would delete from the HF cache."""
+
+    ref: str
+    repos: tuple[str, ...]
+    files: tuple[str, ...]  # paths shown to the user
+    freed_bytes: int
+    _strategy: Any = field(default=None, repr=False, compare=False)
+
+
+def plan_removal(ref: str | ModelRef) -> Removal:
+    """What belongs to ``ref`` in the HF cache: a repo (with ``:QUANT``, only that
+    quant's files), or for an alias every cached variant repo and its base repo."""
+    r = ref if isinstance(ref, ModelRef) else parse_ref(ref)
+    try:
+        info = scan_cache_dir(_cache_dir())
+    except CacheNotFound:
+        info = None
+    repos_by_id = {x.repo_id.lower(): x for x in info.repos} if info else {}
+    if r.kind == "repo" and r.repo:
+        wanted = [r.repo]
+    elif r.kind == "alias" and r.entry is not None:
+        e = r.entry
+        wanted = [e.base, *(v.repo for v in e.variants)]
+    else:
+        raise LocalrunError(f"{r.raw} is not in the Hugging Face cache",
+                            hint="localrun rm takes a Hub repo id or an alias; "
+                            "see `localrun list`")
+    hits = [repos_by_id[w.lower()] for w in wanted if w.lower() in repos_by_id]
+    if not hits or info is None:
+        raise HubNotFoundError(r.raw, hint="nothing of it is cached; see `localrun list`")
+    quant = r.quant
+    if quant:
+        files = [f for repo in hits for rev in repo.revisions for f in rev.files
+                 if f.file_name.lower().endswith(".gguf")
+                 and quant_matches(gguf_quant(f.file_name), 0.0, "gguf", quant)]
+        if not files:
+            raise HubNotFoundError(r.raw, hint=f"no cached {quant} file; see `localrun list`")
+        strategy = info.delete_files(*files)
+        shown = tuple(str(f.file_path) for f in files)
+    else:
+        strategy = info.delete_revisions(*[rev.commit_hash for repo in hits
+                                           for rev in repo.revisions])
+        shown = tuple(str(repo.repo_path) for repo in hits)
+    return Removal(r.raw, tuple(repo.repo_id for repo in hits), shown,
+                   int(strategy.expected_freed_size), strategy)
+
+
+def remove(removal: Removal) -> int:
+    """Delete what :func:`plan_removal` found; return the bytes freed."""
+    removal._strategy.execute()
+    return removal.freed_bytes
+
+
+def describe_options(options: Iterable[QuantOption]) -> list[str]:
+    """One line per variant considered (for `localrun plan` / `pull`)."""
+    lines = []
+    for o in options:
+        need = _gib(o.needed_bytes) if o.needed_bytes is not None else "?"
+        mark = {True: "fits", False: "too big", None: "?"}[o.fits]
+        lines.append(f"{o.repo}{'/' + o.subfolder if o.subfolder else ''}"
+                     f"{':' + o.quant if o.quant else ''}: weights {_gib(o.weights_bytes)}, "
+                     f"needs {need} ({mark})")
+    return lines
+
+
+__all__: Sequence[str] = (
+    "DEFAULT_BACKEND", "DownloadProgress", "FetchPlan", "PlannedFile",
+    "ProgressCallback", "QuantOption", "Removal", "cached_models", "default_backend",
+    "describe_options", "fetch", "gguf_quant", "plan_fetch", "plan_removal", "quant_matches",
+    "remove", "repo_format",
+)

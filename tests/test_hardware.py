@@ -1,0 +1,136 @@
+"""Hardware detection: parsers on real-format samples, this machine, failures as notes, JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from localrun import hardware as hw
+from localrun.errors import LocalrunError
+from localrun.hardware import HardwareProfile, detect_hardware
+
+PROFILES = Path(__file__).parent / "profiles"
+
+X86 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7763 64-Core Processor
+physical id\t: 0
+core id\t\t: 0
+flags\t\t: fpu sse avx avx2 fma f16c avx512f avx512_vnni
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7763 64-Core Processor
+physical id\t: 0
+core id\t\t: 0
+flags\t\t: fpu sse avx avx2 fma f16c avx512f avx512_vnni
+
+processor\t: 2
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7763 64-Core Processor
+physical id\t: 0
+core id\t\t: 1
+flags\t\t: fpu sse avx avx2 fma f16c avx512f avx512_vnni
+"""
+
+ARM = """processor\t: 0
+BogoMIPS\t: 108.00
+Features\t: fp asimd evtstrm crc32 cpuid asimddp
+CPU implementer\t: 0x41
+CPU part\t: 0xd0b
+
+processor\t: 1
+Features\t: fp asimd evtstrm crc32 cpuid asimddp
+CPU implementer\t: 0x41
+
+Model\t\t: Raspberry Pi 5 Model B Rev 1.0
+"""
+
+
+def test_parse_cpuinfo_x86() -> None:
+    c = hw.parse_cpuinfo(X86, "x86_64")
+    assert (c.vendor, c.model, c.physical_cores, c.logical_cores) == (
+        "AuthenticAMD", "AMD EPYC 7763 64-Core Processor", 2, 3)
+    assert c.is_amd and not c.is_intel
+    assert {"avx2", "avx512f", "avx512_vnni"} <= set(c.flags) and "amx_tile" not in c.flags
+
+
+def test_parse_cpuinfo_arm() -> None:
+    c = hw.parse_cpuinfo(ARM, "aarch64")
+    assert c.vendor == "ARM" and c.model == "Raspberry Pi 5 Model B Rev 1.0"
+    assert {"neon", "asimd", "asimddp"} <= set(c.flags)
+
+
+def test_parse_meminfo() -> None:
+    total, avail = hw.parse_meminfo("MemTotal:  16384 kB\nMemFree: 100 kB\nMemAvailable: 8192 kB\n")
+    assert (total, avail) == (16384 * 1024, 8192 * 1024)
+
+
+def test_parse_nvidia_smi_with_na_values() -> None:
+    out = ("0, GPU-1, NVIDIA GeForce RTX 4090, 8.9, 570.86, 24564, 23000\n"
+           "1, GPU-2, NVIDIA GB10, 12.1, 580.1, [N/A], [N/A]\n")
+    a, b = hw.parse_nvidia_smi(out)
+    assert (a.name, a.compute_capability, a.memory_total, a.driver) == (
+        "NVIDIA GeForce RTX 4090", "8.9", 24564 * 1024**2, "570.86")
+    assert a.cc == (8, 9) and not a.integrated
+    assert b.memory_total is None and b.integrated  # unified-memory part
+
+
+def test_gfx_target_decoding() -> None:
+    assert hw.gfx_target(110001) == "gfx1101"
+    assert hw.gfx_target(90010) == "gfx90a"
+    assert hw.gfx_target(90402) == "gfx942"
+
+
+def test_this_machine_matches_proc_cpuinfo() -> None:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else None
+    if text is None:
+        pytest.skip("no /proc/cpuinfo on this OS")
+    p = detect_hardware()
+    parsed = hw.parse_cpuinfo(text, p.arch)
+    assert (p.cpu.vendor, p.cpu.model) == (parsed.vendor, parsed.model)
+    assert p.cpu.logical_cores == parsed.logical_cores
+    assert p.ram_total and p.ram_total > 256 * 1024**2
+    assert detect_hardware() is p  # cached per process
+
+
+def test_cuda_without_gpu_is_not_a_gpu() -> None:
+    p = detect_hardware()
+    nvml_ok = not any("NVML unavailable" in n for n in p.notes)
+    if nvml_ok and p.nvidia_gpus:
+        pytest.skip("this machine has a working NVIDIA GPU")
+    assert p.nvidia_gpus == ()
+    assert any("NVIDIA" in n for n in p.notes), p.notes
+
+
+def test_a_failing_probe_becomes_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(notes: object) -> list[object]:
+        raise RuntimeError("driver exploded")
+
+    monkeypatch.setattr(hw, "_probe_nvidia", boom)
+    monkeypatch.setattr(hw, "_probe_cpu_linux", lambda arch, notes: 1 / 0)
+    detect_hardware.cache_clear()
+    try:
+        p = detect_hardware()
+    finally:
+        detect_hardware.cache_clear()
+    assert any("NVIDIA GPU probe failed: RuntimeError: driver exploded" in n for n in p.notes)
+    if p.os == "Linux":
+        assert any("CPU probe failed: ZeroDivisionError" in n for n in p.notes)
+        assert p.cpu.model is None
+
+
+def test_json_round_trip_for_this_machine_and_every_profile() -> None:
+    p = detect_hardware()
+    assert HardwareProfile.from_json(p.to_json()) == p
+    for f in PROFILES.glob("*.json"):
+        q = HardwareProfile.load(f)
+        assert HardwareProfile.from_json(q.to_json()) == q, f.name
+
+
+def test_bad_profile_files() -> None:
+    with pytest.raises(LocalrunError, match="not valid JSON"):
+        HardwareProfile.from_json("{")
+    with pytest.raises(LocalrunError, match="Not a hardware profile"):
+        HardwareProfile.from_json('{"gpus": [{"nope": 1}]}')
