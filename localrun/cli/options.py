@@ -35,9 +35,72 @@ def sampling_kwargs(**flags: Any) -> dict[str, Any]:
 
 def load_model(model: str | None, backend: str, context: int | None,
                allow_unoptimized: bool = False) -> Any:
-    from localrun.api import load
+    """Load for a command: explain a Hub plan and show download progress on stderr,
+    and turn the "runs without optimized kernels" warning into one line."""
+    import sys
+    import warnings
 
-    return load(model, backend=backend, context=context, allow_unoptimized=allow_unoptimized)
+    from rich.console import Console
+
+    from localrun.api import load
+    from localrun.errors import UnoptimizedFormatWarning
+
+    console = Console(stderr=True, highlight=False)
+    bar = _DownloadBar(console)
+
+    def on_plan(plan: Any, fetch_plan: Any) -> None:
+        from localrun.cli.pull import print_plan
+
+        if fetch_plan.download_bytes:
+            console.print(f"[bold]Engine[/]: {plan.backend} on {plan.device}")
+            print_plan(console, fetch_plan)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnoptimizedFormatWarning)
+        try:
+            model_obj = load(model, backend=backend, context=context,
+                             allow_unoptimized=allow_unoptimized, on_plan=on_plan,
+                             progress=bar.report)
+        finally:
+            bar.close()
+    for w in caught:
+        if issubclass(w.category, UnoptimizedFormatWarning):
+            sys.stderr.write(f"warning: {w.message}\n")
+    return model_obj
+
+
+class _DownloadBar:
+    """A rich progress bar started at the first byte and closed after the download."""
+
+    def __init__(self, console: Any) -> None:
+        self._console = console
+        self._progress: Any = None
+        self._task: Any = None
+
+    def report(self, p: Any) -> None:
+        if self._progress is None:
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                      DownloadColumn(), TransferSpeedColumn(),
+                                      TimeRemainingColumn(), console=self._console)
+            self._progress.start()
+            self._task = self._progress.add_task("downloading", total=p.total or None)
+        name = p.file.rsplit("/", 1)[-1][:40]
+        self._progress.update(self._task, advance=p.delta,
+                              description=f"[{p.index}/{p.count}] {name}")
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
 
 
 def header(model: Any, name: str | None) -> str:

@@ -30,6 +30,11 @@ def plan(
         "--embed", help="Plan for embedding in an application (ONNX Runtime GenAI first).")]
     = False,
     allow_unoptimized: o.AllowUnoptimized = False,
+    context: o.Context = None,
+    quant: Annotated[str | None, typer.Option(
+        "--quant", "-q", help="Plan for this quant: Q4_K_M, 4bit, int4, 4.0bpw, …")] = None,
+    no_hub: Annotated[bool, typer.Option(
+        "--no-hub", help="Skip the Hub step (repo, files, memory fit).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Show which engine, format, quantization and device would run MODEL, and why.
@@ -57,7 +62,8 @@ def plan(
     else:
         installed = installed_backends()
     result = make_plan(model, backend=backend, hardware=profile, installed=installed,
-                       prefer="embed" if embed else "auto", allow_unoptimized=allow_unoptimized)
+                       prefer="embed" if embed else "auto", allow_unoptimized=allow_unoptimized,
+                       context=context, quant=quant, hub=not no_hub)
     if json_out:
         sys.stdout.write(result.to_json() + "\n")
         return
@@ -97,8 +103,14 @@ def _show(console: Console, p: Plan, *, assumed: bool) -> None:
     if p.files:
         console.print("[bold]Files[/]: " + _e(", ".join(p.files)))
     if p.memory:
-        facts = ", ".join(f"{k} {v}" for k, v in p.memory.items())
-        console.print("[bold]Memory[/]: " + _e(facts))
+        gib = {k: f"{v / 2**30:.2f} GiB" for k, v in p.memory.items()
+               if k in ("weights_bytes", "kv_cache_bytes", "overhead_bytes")
+               and isinstance(v, int)}
+        parts = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {v}"
+                          for k, v in gib.items())
+        color = "green" if p.memory.get("fits") else "red"
+        console.print(f"[bold]Memory[/]: {_e(parts)}")
+        console.print(f"[bold]Fit[/]: [{color}]{_e(p.memory.get('verdict', ''))}[/]")
 
 
 def register(app: typer.Typer) -> None:
