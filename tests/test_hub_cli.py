@@ -28,7 +28,8 @@ def _cli(fake: HubFixture, *args: str, input: str | None = None
 
 
 def test_pull_base_repo_fetches_gguf_q4_k_m(fake: HubFixture) -> None:
-    r = _cli(fake, "pull", BASE, "--memory-gb", "8")
+    r = _cli(fake, "pull", BASE, "--memory-gb", "8", "--hardware",
+             str(ROOT / "tests" / "profiles" / "epyc-cpu.json"))
     assert r.returncode == 0, r.stderr
     path = Path(r.stdout.strip().splitlines()[-1])
     assert path.name == "qwen2.5-0.5b-instruct-q4_k_m.gguf" and path.is_file()

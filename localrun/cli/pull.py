@@ -11,13 +11,17 @@ def pull(
     model: Annotated[str, typer.Argument(help="Alias (qwen2.5:0.5b), Hub repo id "
                                          "(org/name[:QUANT][@revision]) or ollama:NAME.")],
     backend: Annotated[str | None, typer.Option("--backend", "-b", help="Engine the "
-                       "download is for (default: llama.cpp).")] = None,
+                       "download is for (default: the one auto mode picks for this "
+                       "machine, see 'localrun plan').")] = None,
     quant: Annotated[str | None, typer.Option("--quant", "-q", help="Quant to fetch: "
                      "Q4_K_M, 4bit, int4, 4.0bpw, …")] = None,
     context: Annotated[int | None, typer.Option("--context", "-c", help="Context window "
                        "the memory check plans for (default: the model's, up to 8192).")] = None,
     memory: Annotated[float | None, typer.Option("--memory-gb", help="Memory budget in "
-                      "GiB (default: available RAM).")] = None,
+                      "GiB (default: the chosen device's free memory).")] = None,
+    hardware: Annotated[str | None, typer.Option("--hardware", help="Download the variant "
+                        "for another machine, described by 'localrun doctor --json'.")]
+    = None,
 ) -> None:
     """Show the plan (repo, files, sizes, memory fit), then download with progress.
 
@@ -33,12 +37,18 @@ def pull(
     from rich.markup import escape as e
 
     from localrun import hub
-    from localrun.memory import available_ram_bytes
+    from localrun.backends import BACKENDS
+    from localrun.hardware import HardwareProfile
+    from localrun.planning import plan_fetch
 
     console = Console(stderr=True, highlight=False)
-    budget = int(memory * 2**30) if memory is not None else available_ram_bytes() or None
-    plan = hub.plan_fetch(model, backend=backend, memory_budget_bytes=budget,
-                          context=context, quant=quant)
+    profile = HardwareProfile.load(hardware) if hardware else None
+    installed = dict.fromkeys(BACKENDS, "assumed") if profile is not None else None
+    chosen, plan = plan_fetch(model, backend=backend or "auto", hardware=profile,
+                              installed=installed, context=context, quant=quant)
+    if plan is None or memory is not None:
+        plan = hub.plan_fetch(model, backend=chosen.backend, context=context, quant=quant,
+                              memory_budget_bytes=int(memory * 2**30) if memory is not None else None)
     print_plan(console, plan)
     plan.require_fit()
     if plan.local_path is not None:
