@@ -47,8 +47,9 @@ def pull(
     chosen, plan = plan_fetch(model, backend=backend or "auto", hardware=profile,
                               installed=installed, context=context, quant=quant)
     if plan is None or memory is not None:
+        budget = int(memory * 2**30) if memory is not None else None
         plan = hub.plan_fetch(model, backend=chosen.backend, context=context, quant=quant,
-                              memory_budget_bytes=int(memory * 2**30) if memory is not None else None)
+                              memory_budget_bytes=budget)
     print_plan(console, plan)
     plan.require_fit()
     if plan.local_path is not None:
