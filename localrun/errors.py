@@ -309,3 +309,27 @@ class NoVariantError(LocalrunError, LookupError):
             msg += " (looked at " + ", ".join(self.tried[:5]) + ")"
         super().__init__(msg, hint=hint or "name a variant repo directly (org/name), or pick "
                          "another engine with --backend")
+
+
+class BenchError(LocalrunError, ValueError):
+    """A benchmark that cannot run as asked: a bad workload value, or a prompt of the
+    requested length that cannot be built for this model's tokenizer."""
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message, hint=hint or "localrun bench --help shows the flags and "
+                         "their allowed values")
+
+
+class InvalidOptionError(LocalrunError, ValueError):
+    """An engine option (``localrun.load(..., option=value)``) that the backend does not
+    know, or a value outside what it accepts."""
+
+    def __init__(self, backend: str, option: str, value: object, allowed: str):
+        self.backend = backend
+        self.option = option
+        self.value = value
+        self.allowed = allowed
+        super().__init__(
+            f"Invalid {backend} option {option}={value!r} (allowed: {allowed})",
+            hint=f"pass {option} as one of: {allowed}, or leave it out for the default",
+        )
