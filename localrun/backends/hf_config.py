@@ -1,0 +1,110 @@
+"""What the MLX, OpenVINO and ONNX backends read from a model folder's JSON files.
+
+A Hugging Face style folder keeps the architecture in ``config.json`` and the
+model's own generation defaults and end-of-sequence ids in ``generation_config.json``.
+Nothing here imports an engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from localrun.errors import ModelFileError
+
+#: generation_config.json key -> localrun sampling option
+GENERATION_KEYS: dict[str, str] = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+def read_json(path: Path, *, required: bool = False) -> dict[str, Any]:
+    """A JSON object from ``path``; ``{}`` when an optional file is absent."""
+    if not path.is_file():
+        if required:
+            raise ModelFileError(str(path.parent), f"{path.name} is missing")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFileError(str(path), f"unreadable JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelFileError(str(path), "expected a JSON object")
+    return data
+
+
+def require_files(folder: Path, names: Iterable[str], *, what: str, hint: str | None = None
+                  ) -> None:
+    """Raise ModelFileError naming every file of ``names`` that is not in ``folder``."""
+    if not folder.is_dir():
+        raise ModelFileError(str(folder), "no such folder" if not folder.exists()
+                             else f"{what} models are folders, not single files")
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise ModelFileError(str(folder), f"{what} model is incomplete, missing: "
+                             + ", ".join(missing), hint=hint)
+    empty = [n for n in names if (folder / n).stat().st_size == 0]
+    if empty:
+        raise ModelFileError(str(folder), "empty (truncated) file: " + ", ".join(empty), hint=hint)
+
+
+def sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's own sampling defaults in localrun's terms.
+
+    ``do_sample: false`` means the authors want greedy decoding, so it maps to
+    temperature 0 and the sampling fields (which transformers ignores then) are dropped.
+    Values localrun cannot read are dropped later by :func:`localrun.sampling.resolve`.
+    """
+    if generation_config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {ours: generation_config[theirs] for theirs, ours in GENERATION_KEYS.items()
+            if generation_config.get(theirs) is not None}
+
+
+def token_ids(value: object) -> set[int]:
+    """``eos_token_id`` as a set: configs store one id or a list of them."""
+    if isinstance(value, bool):
+        return set()
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, (list, tuple)):
+        return {v for v in value if isinstance(v, int) and not isinstance(v, bool)}
+    return set()
+
+
+def eos_ids(generation_config: Mapping[str, Any], config: Mapping[str, Any]) -> set[int]:
+    """Every end-of-sequence id the model declares (generation_config first)."""
+    return token_ids(generation_config.get("eos_token_id")) | token_ids(
+        config.get("eos_token_id"))
+
+
+def trained_context(config: Mapping[str, Any]) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        return trained_context(text)
+    return None
+
+
+def context_length(requested: int | None, trained: int | None, fallback: int = 8192) -> int:
+    """The context window: the caller's, capped at what the model was trained for."""
+    if requested is None:
+        return trained or fallback
+    return min(requested, trained) if trained else requested
+
+
+def architecture(config: Mapping[str, Any]) -> str | None:
+    archs = config.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0]
+    mt = config.get("model_type")
+    return mt if isinstance(mt, str) else None

@@ -1,0 +1,345 @@
+"""OpenVINO GenAI: OpenVINO IR folders (and, unoptimized, some GGUF files) on CPU/GPU/NPU.
+
+``LLMPipeline.generate`` blocks until the reply is done and reports tokens through a
+streamer callback, so a worker thread runs it and hands token ids to the caller's
+generator through a queue; the streamer answers ``CANCEL`` as soon as the caller
+cancels or closes the stream, so generation stops within one token. We always pass
+a token tensor, never text: the pipeline then neither re-tokenizes nor re-applies a
+template, ``prompt_tokens`` is exactly what we counted, and the results carry
+``perf_metrics`` (``generate(str)`` would return a bare string without them).
+
+How localrun's sampling options map onto ``GenerationConfig``:
+
+=====================  =========================================================
+localrun               OpenVINO GenAI
+=====================  =========================================================
+temperature 0          ``do_sample=False`` (greedy; sampling fields are ignored)
+temperature > 0        ``do_sample=True``, ``temperature``
+top_p (1 = off)        ``top_p``
+top_k (0 = off)        ``top_k``; 0 maps to the engine's "off" (the max size_t)
+min_p (0 = off)        ``min_p``
+repetition_penalty     ``repetition_penalty`` (applies to greedy decoding too); gap:
+                       the engine's window (not configurable), where llama.cpp and
+                       MLX look back over the last 64 tokens
+seed                   ``rng_seed``; unset draws a fresh seed (the engine's default
+                       is a fixed 0, which would repeat the same "random" reply)
+max_tokens             ``max_new_tokens`` (its default is unlimited: always set)
+stop strings           handled by localrun's API layer (``stop_strings`` left empty)
+EOS                    ``stop_token_ids`` = every id in generation_config.json plus
+                       the tokenizer's EOS
+=====================  =========================================================
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import secrets
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from localrun.backends import engine_version
+from localrun.backends.base import GenerationStats, LoadRequest, Prompt, Session
+from localrun.backends.hf_config import (
+    architecture,
+    context_length,
+    eos_ids,
+    read_json,
+    require_files,
+    sampling_defaults,
+    trained_context,
+)
+from localrun.errors import EngineNotInstalledError, LocalrunError, ModelFileError
+from localrun.sampling import ResolvedSampling
+from localrun.types import CancelToken, FinishReason, Message, ModelInfo
+
+#: Files an OpenVINO GenAI LLM folder must have. A Tokenizer without its IRs
+#: constructs fine and fails only at the first encode, so we check up front.
+REQUIRED_FILES = ("openvino_model.xml", "openvino_model.bin",
+                  "openvino_tokenizer.xml", "openvino_tokenizer.bin",
+                  "openvino_detokenizer.xml", "openvino_detokenizer.bin")
+TOKENIZER_HINT = ("re-export the model with its tokenizer (optimum-cli export openvino ...), "
+                  "or make the IRs: convert_tokenizer MODEL --with-detokenizer -o FOLDER")
+
+#: Weight element types in the IR -> the quantization users know.
+IR_WEIGHT_TYPES: tuple[tuple[str, str], ...] = (
+    ("u4", "int4"), ("i4", "int4"), ("nf4", "nf4"), ("u8", "int8"), ("i8", "int8"),
+    ("f16", "fp16"), ("bf16", "bf16"),
+)
+
+#: Tokens decoded together before the incremental detokenizer restarts its window.
+DETOKENIZE_WINDOW = 8
+
+_SIZE_MAX = 2**64 - 1  # GenerationConfig's "no limit" for top_k
+
+
+class _Done:
+    """End of one generation, as the worker saw it."""
+
+    __slots__ = ("error", "reason", "result")
+
+    def __init__(self, reason: FinishReason | None, result: Any = None,
+                 error: BaseException | None = None) -> None:
+        self.reason = reason
+        self.result = result
+        self.error = error
+
+
+class IncrementalDetokenizer:
+    """Text for each new token without decoding the whole reply every time.
+
+    Decodes a short window of recent tokens and emits what it adds to the window's
+    text; a byte-level token that ends mid-character emits nothing until the
+    character is complete. Keeping one token of context when the window restarts
+    keeps SentencePiece's leading spaces right.
+    """
+
+    def __init__(self, decode: Any) -> None:
+        self._decode = decode
+        self._tokens: list[int] = []
+        self._start = 0
+        self._text = ""
+
+    def add(self, token: int) -> str:
+        toks = self._tokens
+        toks.append(token)
+        full: str = self._decode(toks[self._start:])
+        if full.endswith("\ufffd"):
+            return ""
+        piece = full[len(self._text):]
+        self._text = full
+        if len(toks) - self._start >= DETOKENIZE_WINDOW:
+            self._start = len(toks) - 1
+            self._text = self._decode(toks[self._start:])
+        return piece
+
+
+class OpenVINOSession(Session):
+    def __init__(self, request: LoadRequest) -> None:
+        path = Path(request.path).expanduser()
+        gguf = path.is_file() and path.suffix.lower() == ".gguf"
+        config: dict[str, Any] = {}
+        gen_config: dict[str, Any] = {}
+        if gguf:
+            from localrun.formats.gguf import read_gguf
+
+            meta = read_gguf(path)  # ModelFileError for a damaged file
+            trained = meta.context_length
+            quant: str | None = meta.quantization
+            arch: str | None = meta.architecture
+            name = meta.name
+            self.sampling_defaults = dict(meta.sampling_defaults)
+        else:
+            require_files(path, REQUIRED_FILES, what="OpenVINO IR", hint=TOKENIZER_HINT)
+            config = read_json(path / "config.json")
+            gen_config = read_json(path / "generation_config.json")
+            trained = trained_context(config)
+            quant = _ir_quantization(path)
+            arch = architecture(config)
+            name = config.get("_name_or_path") or path.name
+            self.sampling_defaults = sampling_defaults(gen_config)
+        try:
+            import openvino_genai as ov_genai
+        except ImportError as e:  # installed per metadata but broken
+            raise EngineNotInstalledError("OpenVINO GenAI", "openvino", reason=str(e)) from e
+        self._og = ov_genai
+        device = request.device or "CPU"
+        props: dict[str, Any] = {}
+        if device.upper().startswith("CPU"):
+            # The CPU plugin's default u8 KV cache quantizes with scales that depend on
+            # memory left over from earlier requests: the same seed then gave a different
+            # sample on a Model's first request than on later ones (seen with 2026.4).
+            # An f32 cache is reproducible and decoded as fast here; pass
+            # KV_CACHE_PRECISION="u8" as an engine option to trade that for memory.
+            props["KV_CACHE_PRECISION"] = "f32"
+        if request.threads:
+            props["INFERENCE_NUM_THREADS"] = request.threads
+        props.update(request.options)
+        try:
+            self._pipe = ov_genai.LLMPipeline(str(path), device, **props)
+            self._tok = self._pipe.get_tokenizer()
+            engine_cfg = self._pipe.get_generation_config()
+        except RuntimeError as e:
+            raise ModelFileError(str(path), f"OpenVINO GenAI could not load it "
+                                 f"({_first_line(e)})") from e
+        eos = eos_ids(gen_config, config) | set(engine_cfg.stop_token_ids)
+        tok_eos = self._tok.get_eos_token_id()
+        if 0 <= tok_eos < _SIZE_MAX:
+            eos.add(tok_eos)
+        if 0 <= engine_cfg.eos_token_id < _SIZE_MAX:
+            eos.add(engine_cfg.eos_token_id)
+        self._eos = frozenset(eos)
+        self.info = ModelInfo(
+            backend="openvino",
+            engine_version=engine_version("openvino") or "unknown",
+            format="gguf" if gguf else "openvino",
+            quantization=quant,
+            path=str(path),
+            context_length=context_length(request.context, trained),
+            trained_context_length=trained,
+            architecture=arch,
+            name=str(name) if name else None,
+        )
+        self.device = device  # ModelInfo has no device field yet
+
+    # -- encoding ---------------------------------------------------------------------
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=special).input_ids.data
+        return [int(t) for t in ids[0]]
+
+    def encode_chat(self, messages: Sequence[Message]) -> Prompt:
+        try:
+            text = self._tok.apply_chat_template(list(messages), add_generation_prompt=True)
+        except RuntimeError as e:
+            raise LocalrunError(
+                f"The model's chat template refused the conversation: {_first_line(e)}",
+                hint="check the roles and their order (many templates require user/assistant "
+                "turns to alternate)") from e
+        # The rendered template already holds the special tokens it wants (as
+        # transformers' apply_chat_template(tokenize=True) does, add none).
+        return Prompt(self._encode(text, special=False), text)
+
+    def encode_text(self, text: str) -> Prompt:
+        return Prompt(self._encode(text, special=True), text)
+
+    # -- generation -------------------------------------------------------------------
+
+    def _config(self, sampling: ResolvedSampling, limit: int) -> Any:
+        cfg = self._og.GenerationConfig()
+        cfg.max_new_tokens = limit
+        cfg.min_new_tokens = 0
+        cfg.ignore_eos = False
+        cfg.stop_token_ids = set(self._eos)
+        cfg.num_beams = 1
+        cfg.num_return_sequences = 1
+        cfg.repetition_penalty = sampling.repetition_penalty
+        cfg.presence_penalty = 0.0
+        cfg.frequency_penalty = 0.0
+        cfg.do_sample = not sampling.greedy
+        if not sampling.greedy:
+            cfg.temperature = sampling.temperature
+            cfg.top_p = sampling.top_p
+            cfg.top_k = sampling.top_k or _SIZE_MAX
+            cfg.min_p = sampling.min_p
+            cfg.rng_seed = sampling.seed if sampling.seed is not None else \
+                secrets.randbits(32)
+        return cfg
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling: ResolvedSampling,
+        cancel: CancelToken,
+        stats: GenerationStats,
+    ) -> Iterator[str]:
+        limit = min(sampling.max_tokens, self.info.context_length - len(prompt.tokens))
+        if limit <= 0:
+            stats.finish_reason = "length"
+            return
+        import numpy as np
+        import openvino
+
+        og = self._og
+        cfg = self._config(sampling, limit)
+        ids = openvino.Tensor(np.asarray([list(prompt.tokens)], dtype=np.int64))
+        out: queue.SimpleQueue[str | _Done] = queue.SimpleQueue()
+        halt = threading.Event()
+        eos = self._eos
+        # Detokenize on the engine's thread, between tokens: the CPU plugin's results
+        # depend on what else runs in the process, so decoding concurrently with
+        # inference made seeded samples differ from run to run.
+        detok = IncrementalDetokenizer(self._tok.decode)
+        running, stop, cancelled = (og.StreamingStatus.RUNNING, og.StreamingStatus.STOP,
+                                    og.StreamingStatus.CANCEL)
+
+        class Streamer(og.StreamerBase):  # type: ignore[misc, name-defined]
+            ended: FinishReason | None = None
+
+            def write(self, token: int | list[int]) -> Any:
+                for t in (token if isinstance(token, list) else (token,)):
+                    if t in eos:
+                        self.ended = "stop"
+                        return stop
+                    out.put(detok.add(t))
+                if halt.is_set() or cancel.cancelled:
+                    return cancelled
+                return running
+
+            def end(self) -> None:
+                pass
+
+        streamer = Streamer()
+
+        def work() -> None:
+            try:
+                result = self._pipe.generate(ids, cfg, streamer)
+            except BaseException as e:  # handed to the caller's thread
+                out.put(_Done(None, error=e))
+                return
+            out.put(_Done(streamer.ended or "length", result))
+
+        worker = threading.Thread(target=work, name="localrun-openvino", daemon=True)
+        done: _Done | None = None
+        worker.start()
+        try:
+            while True:
+                item = out.get()
+                if isinstance(item, _Done):
+                    done = item
+                    break
+                stats.completion_tokens += 1
+                yield item
+            if done.error is not None:
+                raise done.error
+            stats.finish_reason = done.reason
+        finally:
+            halt.set()
+            worker.join()
+            if done is None:  # closed early: collect the worker's result for the metrics
+                while not isinstance(item := out.get(), _Done):
+                    pass
+                done = item
+            if done.result is not None:
+                _fill_stats(stats, done.result.perf_metrics)
+
+    def close(self) -> None:
+        self._pipe = None
+        self._tok = None
+
+
+def _fill_stats(stats: GenerationStats, pm: Any) -> None:
+    stats.prefill_tokens = int(pm.get_num_input_tokens())
+    stats.prefill_seconds = float(pm.get_ttft().mean) / 1000.0
+    durations = list(pm.raw_metrics.m_durations)  # microseconds, one per decoded token
+    stats.decode_tokens = len(durations)
+    stats.decode_seconds = sum(durations) / 1e6
+
+
+def _ir_quantization(folder: Path) -> str | None:
+    qc = read_json(folder / "openvino_config.json").get("quantization_config")
+    if isinstance(qc, dict) and isinstance(qc.get("bits"), int):
+        return f"int{qc['bits']}"
+    try:
+        xml = (folder / "openvino_model.xml").read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise ModelFileError(str(folder / "openvino_model.xml"), str(e)) from e
+    types = set(re.findall(r'element_type="([a-z0-9]+)"', xml))
+    return next((q for t, q in IR_WEIGHT_TYPES if t in types), None)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+class OpenVINOBackend:
+    name = "openvino"
+
+    def load(self, request: LoadRequest) -> Session:
+        return OpenVINOSession(request)
+
+
+BACKEND = OpenVINOBackend()
