@@ -72,6 +72,7 @@ class ModelInfo:
     trained_context_length: int | None = None
     architecture: str | None = None
     name: str | None = None
+    device: str | None = None  # where it runs: "cpu", "gpu", "CPU", "GPU.1", "cuda:0", …
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -75,6 +75,8 @@ class LlamaCppSession(Session):
             trained_context_length=trained,
             architecture=gguf.architecture,
             name=gguf.name,
+            device="gpu" if llama_cpp.llama_supports_gpu_offload() and opts["n_gpu_layers"] != 0
+            else "cpu",
         )
 
     def _piece(self, token: int) -> bytes:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import queue
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -182,6 +183,7 @@ class MLXSession(Session):
             trained_context_length=trained,
             architecture=architecture(config),
             name=str(config.get("_name_or_path") or path.name),
+            device="metal" if sys.platform == "darwin" else "cpu",
         )
 
     # -- encoding ---------------------------------------------------------------------

@@ -136,6 +136,7 @@ class OnnxGenAISession(Session):
             trained_context_length=trained,
             architecture=str(model_cfg.get("type")) if model_cfg.get("type") else None,
             name=path.name,
+            device=request.device or "cpu",
         )
 
     # -- encoding ---------------------------------------------------------------------

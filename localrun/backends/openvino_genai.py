@@ -181,8 +181,9 @@ class OpenVINOSession(Session):
             trained_context_length=trained,
             architecture=arch,
             name=str(name) if name else None,
+            device=device,
         )
-        self.device = device  # ModelInfo has no device field yet
+        self.device = device
 
     # -- encoding ---------------------------------------------------------------------
 
