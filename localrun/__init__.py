@@ -26,11 +26,14 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from localrun.api import Model, Stream, load
+    from localrun.batch import BatchError, BatchItem
     from localrun.hardware import HardwareProfile, detect_hardware
     from localrun.planning import plan
     from localrun.selection import Plan
 
 __all__ = [
+    "BatchError",
+    "BatchItem",
     "CancelToken",
     "Chunk",
     "Completion",
@@ -57,7 +60,8 @@ __all__ = [
 
 _LAZY = {"load": "localrun.api", "Model": "localrun.api", "Stream": "localrun.api",
          "plan": "localrun.planning", "detect_hardware": "localrun.hardware",
-         "HardwareProfile": "localrun.hardware", "Plan": "localrun.selection"}
+         "HardwareProfile": "localrun.hardware", "Plan": "localrun.selection",
+         "BatchItem": "localrun.batch", "BatchError": "localrun.batch"}
 
 
 def __getattr__(name: str) -> Any:

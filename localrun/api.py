@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import GenerationStats, Prompt, Session
 from localrun.errors import (
@@ -22,10 +22,17 @@ from localrun.errors import (
 )
 from localrun.sampling import ResolvedSampling, make_sampling, resolve
 
+if TYPE_CHECKING:
+    from localrun.hub import FetchPlan, ProgressCallback
+    from localrun.selection import Plan
+
 __all__ = ["Model", "Stream", "load", "make_sampling"]
 from localrun.stopping import StopMatcher
 from localrun.templates import normalize_messages
 from localrun.types import CancelToken, Chunk, Completion, Message, ModelInfo, Timings, Usage
+
+if TYPE_CHECKING:
+    from localrun.batch import BatchInput
 
 
 class Stream:
@@ -80,9 +87,12 @@ class Stream:
 class Model:
     """A loaded model. Safe to share between threads: calls queue up, one runs at a time."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, sampling_defaults: Mapping[str, Any] | None = None
+                 ) -> None:
         self._session: Session | None = session
         self.info: ModelInfo = session.info
+        # What the model's own files say wins over what localrun knows about the model.
+        self._defaults = {**(sampling_defaults or {}), **session.sampling_defaults}
         self._lock = threading.Lock()
         self._owner: int | None = None
 
@@ -124,6 +134,52 @@ class Model:
         token = cancel or CancelToken()
         text = messages if isinstance(messages, str) and raw else None
         return Stream(self._run(msgs, text, request, token), token)
+
+    def batch(
+        self,
+        items: Iterable[BatchInput],
+        *,
+        max_concurrency: int | None = None,
+        cancel: CancelToken | None = None,
+        **sampling: Any,
+    ) -> list[Completion]:
+        """Reply to many prompts; the Completions come back in input order.
+
+        Each item is a prompt string, a list of messages, or a
+        :class:`localrun.batch.BatchItem` with its own sampling overrides; ``sampling``
+        applies to all. Engines that batch run up to ``max_concurrency`` items at once
+        (None: the engine decides); the others run them in turn. If any item fails,
+        :class:`localrun.batch.BatchError` is raised once all have run: its ``results``
+        hold every Completion and each failed item's error. ``cancel`` ends the batch:
+        items in flight and those not started finish with ``finish_reason="cancelled"``.
+        """
+        from localrun.batch import BatchError
+
+        results: dict[int, Completion | LocalrunError] = dict(
+            self.batch_iter(items, max_concurrency=max_concurrency, cancel=cancel, **sampling))
+        ordered = [results[i] for i in range(len(results))]
+        if any(isinstance(r, LocalrunError) for r in ordered):
+            raise BatchError(ordered)
+        return [r for r in ordered if isinstance(r, Completion)]
+
+    def batch_iter(
+        self,
+        items: Iterable[BatchInput],
+        *,
+        max_concurrency: int | None = None,
+        cancel: CancelToken | None = None,
+        **sampling: Any,
+    ) -> Iterator[tuple[int, Completion | LocalrunError]]:
+        """Like :meth:`batch`, but yield ``(index, result)`` as each item finishes.
+
+        ``result`` is the item's Completion, or the LocalrunError that item hit (a
+        prompt over the context, an invalid override, an engine failure); the other
+        items go on. Batch-wide mistakes (invalid shared sampling) raise at once.
+        """
+        from localrun.batch import run_batch
+
+        return run_batch(self, items, max_concurrency=max_concurrency, cancel=cancel,
+                         sampling=sampling)
 
     def count_tokens(self, text: str) -> int:
         """Tokens of raw text for this model's tokenizer."""
@@ -169,7 +225,7 @@ class Model:
         with self._hold():
             session = self._live()
             t0 = time.perf_counter()
-            sampling = resolve(request, session.sampling_defaults)
+            sampling = resolve(request, self._defaults)
             prompt = session.encode_chat(messages) if messages is not None else \
                 session.encode_text(text or "")
             n_prompt = len(prompt.tokens)
@@ -270,6 +326,9 @@ def load(
     device: str | None = None,
     threads: int | None = None,
     allow_unoptimized: bool = False,
+    quant: str | None = None,
+    progress: ProgressCallback | None = None,
+    on_plan: Callable[[Plan, FetchPlan], None] | None = None,
     **engine_options: Any,
 ) -> Model:
     """Load a model and return a :class:`Model`.
@@ -280,16 +339,22 @@ def load(
     ``context`` is the context window in tokens (default: the model's trained
     context, capped at 8192). ``allow_unoptimized=True`` lets an engine load a format
     it runs but has no optimized kernels for.
+
+    A name that is not on disk (``"qwen2.5:0.5b"``, ``"org/repo:Q4_K_M"``) is planned
+    for this machine and downloaded into the Hugging Face cache first: ``on_plan``
+    receives the plan before any download, ``progress`` receives download progress,
+    ``quant`` picks a quant. A model that does not fit in memory is refused first.
     """
     from localrun.backends import get_backend
     from localrun.backends.base import LoadRequest
-    from localrun.resolve import resolve_local
+    from localrun.resolve import resolve
 
     if context is not None and (isinstance(context, bool) or not isinstance(context, int)
                                 or context < 16):
         raise LocalrunError(f"Invalid context {context!r}",
                             hint="pass a number of tokens >= 16, e.g. context=4096")
-    target = resolve_local(model, backend=backend, allow_unoptimized=allow_unoptimized)
+    target = resolve(model, backend=backend, context=context, quant=quant,
+                     allow_unoptimized=allow_unoptimized, progress=progress, on_plan=on_plan)
     engine = get_backend(target.backend)
     session = engine.load(
         LoadRequest(
@@ -301,4 +366,4 @@ def load(
             options=engine_options,
         )
     )
-    return Model(session)
+    return Model(session, target.sampling_defaults)

@@ -43,6 +43,8 @@ class GenerationStats:
     prefill_seconds: float = 0.0  # engine's own figures, 0 when it reports none
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    #: perf_counter() when the engine admitted this sequence (batching); 0: the call's start
+    started: float = 0.0
 
 
 class Session(ABC):
@@ -74,6 +76,27 @@ class Session(ABC):
         ``sampling.max_tokens`` / at the context's end ("length"), keep ``stats``
         current as it goes, and clean up when closed early.
         """
+
+    #: True when :meth:`generate_batch` runs several sequences at once in the engine
+    supports_batch: bool = False
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt],
+        samplings: Sequence[ResolvedSampling],
+        cancels: Sequence[CancelToken],
+        stats: Sequence[GenerationStats],
+        max_concurrency: int | None,
+    ) -> Iterator[tuple[int, str | None]]:
+        """Optional: generate several sequences at once (only when ``supports_batch``).
+
+        Yields ``(index, piece)`` as in :meth:`generate` for each sequence, then
+        ``(index, None)`` once that sequence has finished. ``cancels[i]`` set means
+        "stop sequence i now" (a stop string matched, or the whole batch was
+        cancelled); ``stats[i]`` is kept current like ``generate``'s; at most
+        ``max_concurrency`` sequences are in flight (None: the engine decides).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not batch")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the engine's memory. Idempotent."""

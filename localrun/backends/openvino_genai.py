@@ -117,6 +117,14 @@ class IncrementalDetokenizer:
 
 
 class OpenVINOSession(Session):
+    #: Many sequences at once through ContinuousBatchingPipeline (openvino_batch.py).
+    supports_batch = True
+
+    def generate_batch(self, *args: Any) -> Iterator[tuple[int, str | None]]:
+        from localrun.backends.openvino_batch import generate_batch
+
+        return generate_batch(self, *args)
+
     def __init__(self, request: LoadRequest) -> None:
         path = Path(request.path).expanduser()
         gguf = path.is_file() and path.suffix.lower() == ".gguf"
@@ -157,6 +165,7 @@ class OpenVINOSession(Session):
         if request.threads:
             props["INFERENCE_NUM_THREADS"] = request.threads
         props.update(request.options)
+        self.load_properties = dict(props)  # the batching pipeline gets the same settings
         try:
             self._pipe = ov_genai.LLMPipeline(str(path), device, **props)
             self._tok = self._pipe.get_tokenizer()

@@ -46,6 +46,7 @@ COMMANDS = (
     "plan",
     "pull",
     "models",
+    "generate",
 )
 
 

@@ -1,0 +1,213 @@
+"""`localrun generate` as a user runs it: real processes, real engine, the embedded model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import localrun_cmd, requires_llama
+
+pytestmark = requires_llama
+
+FLAGS = ("--backend", "llama.cpp", "--context", "1024", "-t", "0", "--no-progress")
+QUESTIONS = ["What is 2+2?", "What is the opposite of hot?", "How many legs does a dog have?",
+             "What color is the sky on a clear day?", "Name a fruit.", "Name a colour.",
+             "What is the capital of France?", "Say hello.", "Name an animal.",
+             "What is 3+3?", "Name a planet.", "What do bees make?"]
+
+
+def generate(model: Path, inp: Path, out: Path, *extra: str, env: dict[str, str] | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*localrun_cmd(), "generate", str(model), "-i", str(inp), "-o",
+                           str(out), *FLAGS, *extra], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
+                            for r in rows), encoding="utf-8")
+    return path
+
+
+def results(path: Path) -> list[dict[str, Any]]:
+    raw = path.read_text(encoding="utf-8")
+    assert raw.endswith("\n"), "the output ends with a partial line"
+    return [json.loads(line) for line in raw.splitlines()]
+
+
+def assert_valid(row: dict[str, Any]) -> None:
+    assert "error" not in row, row
+    assert isinstance(row["text"], str) and row["finish_reason"] in ("stop", "length")
+    assert row["usage"]["prompt_tokens"] > 0 and row["usage"]["completion_tokens"] > 0
+    assert row["timings"]["total"] > 0
+
+
+def assert_each_once(path: Path, ids: list[Any]) -> list[dict[str, Any]]:
+    rows = results(path)
+    assert sorted(map(str, (r["id"] for r in rows))) == sorted(map(str, ids))
+    for r in rows:
+        assert_valid(r)
+    return rows
+
+
+def test_jsonl_with_overrides_and_malformed_lines(default_gguf: Path, tmp_path: Path) -> None:
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "a", "prompt": "Write a long story about a dragon.", "max_tokens": 3},
+        {"id": "b", "messages": [{"role": "user", "content": "Count from 1 to 10, "
+                                  "separated by commas."}], "stop": ["5"]},
+        "{not json",
+        {"id": "c", "prompt": "Hi", "temperature": -1},
+        {"id": "d", "prompt": "Hi", "temprature": 1},
+        "",
+        {"prompt": "What is 2+2?"},
+    ])
+    out = tmp_path / "out.jsonl"
+    r = generate(default_gguf, inp, out, "-n", "16")
+    assert r.returncode == 1, r.stderr  # some lines failed
+    assert "Traceback" not in r.stderr
+    assert "done 3 · failed 3 · skipped 0" in r.stderr
+    assert "--retry-failed" in r.stderr
+    rows = {json.dumps(row["id"]): row for row in results(out)}
+    assert rows['"a"']["usage"]["completion_tokens"] == 3  # per-line max_tokens honoured
+    assert rows['"a"']["finish_reason"] == "length"
+    assert rows['"b"']["finish_reason"] == "stop" and "5" not in rows['"b"']["text"]
+    assert rows["7"]["usage"]["completion_tokens"] <= 16  # no id: its line number
+    assert_valid(rows["7"])
+    assert rows["null"]["line"] == 3 and "JSON" in rows["null"]["error"]
+    assert rows['"c"']["line"] == 4 and "temperature" in rows['"c"']["error"]
+    assert rows['"d"']["line"] == 5 and "temprature" in rows['"d"']["error"]
+    # A re-run has nothing left to do and leaves the file as it was.
+    before = out.read_bytes()
+    r = generate(default_gguf, inp, out)
+    assert r.returncode == 0 and "nothing to do" in r.stderr
+    assert out.read_bytes() == before
+
+
+def test_plain_text_input(default_gguf: Path, tmp_path: Path) -> None:
+    inp = tmp_path / "prompts.txt"
+    inp.write_text("What is 2+2?\n\nName a fruit.\n", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    r = generate(default_gguf, inp, out, "-n", "8")
+    assert r.returncode == 0, r.stderr
+    rows = assert_each_once(out, [1, 3])  # ids are line numbers: stable for resume
+    assert [row["id"] for row in rows] == [1, 3]
+
+
+def test_duplicate_ids_refused_before_anything_runs(default_gguf: Path, tmp_path: Path) -> None:
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "x", "prompt": "Hi"},
+                                              {"id": "y", "prompt": "Hi"},
+                                              {"id": "x", "prompt": "Hello"}])
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "old", "text": "kept"}\n', encoding="utf-8")
+    r = generate(default_gguf, inp, out)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].strip().startswith(
+        "hint: ")
+    assert "'x'" in lines[0] and "lines 1 and 3" in lines[0]
+    assert out.read_text(encoding="utf-8") == '{"id": "old", "text": "kept"}\n'
+
+
+def test_fail_fast_on_malformed_line_runs_nothing(default_gguf: Path, tmp_path: Path) -> None:
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Hi"}, "[1, 2]"])
+    out = tmp_path / "out.jsonl"
+    r = generate(default_gguf, inp, out, "--fail-fast")
+    assert r.returncode == 1 and "Line 2" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_partial_last_line_is_redone(default_gguf: Path, tmp_path: Path) -> None:
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": q}
+                                              for i, q in enumerate(QUESTIONS[:3])])
+    out = tmp_path / "out.jsonl"
+    r = generate(default_gguf, inp, out, "-n", "8")
+    assert r.returncode == 0, r.stderr
+    first, second, _ = out.read_text(encoding="utf-8").splitlines(keepends=True)
+    out.write_text(first + second[: len(second) // 2], encoding="utf-8")  # as if killed
+    r = generate(default_gguf, inp, out, "-n", "8")
+    assert r.returncode == 0, r.stderr
+    assert "incomplete last line" in r.stderr and "skipped 1" in r.stderr
+    rows = assert_each_once(out, [0, 1, 2])
+    assert rows[0] == json.loads(first)  # what was complete is kept as it was
+
+
+def _kill_midway(cmd: list[str], out: Path, sig: int, min_lines: int) -> int:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= min_lines:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run finished before it could be interrupted"
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def test_sigkill_midway_then_resume(default_gguf: Path, tmp_path: Path) -> None:
+    ids = [f"q{i}" for i in range(len(QUESTIONS))]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": q}
+                                              for i, q in zip(ids, QUESTIONS, strict=True)])
+    out = tmp_path / "out.jsonl"
+    cmd = [*localrun_cmd(), "generate", str(default_gguf), "-i", str(inp), "-o", str(out),
+           *FLAGS, "-n", "24"]
+    rc = _kill_midway(cmd, out, signal.SIGKILL, 2)
+    assert rc == -signal.SIGKILL
+    done_before = out.read_bytes().count(b"\n")
+    assert 2 <= done_before < len(ids)
+    r = generate(default_gguf, inp, out, "-n", "24")
+    assert r.returncode == 0, r.stderr
+    assert f"skipped {done_before}" in r.stderr
+    assert_each_once(out, ids)
+
+
+def test_ctrl_c_saves_and_tells_how_to_resume(default_gguf: Path, tmp_path: Path) -> None:
+    ids = list(range(len(QUESTIONS)))
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": q}
+                                              for i, q in zip(ids, QUESTIONS, strict=True)])
+    out = tmp_path / "out.jsonl"
+    cmd = [*localrun_cmd(), "generate", str(default_gguf), "-i", str(inp), "-o", str(out),
+           *FLAGS, "-n", "24"]
+    proc_rc = _kill_midway(cmd, out, signal.SIGINT, 1)
+    assert proc_rc == 130
+    rows = results(out)  # whole lines only
+    assert 1 <= len(rows) < len(ids)
+    r = generate(default_gguf, inp, out, "-n", "24")
+    assert r.returncode == 0, r.stderr
+    assert_each_once(out, ids)
+
+
+def test_retry_failed_replaces_error_lines(default_gguf: Path, tmp_path: Path) -> None:
+    inp = tmp_path / "in.jsonl"
+    write_jsonl(inp, [{"id": "a", "prompt": "Hi", "max_tokens": 0}, {"id": "b", "prompt": "Hi"}])
+    out = tmp_path / "out.jsonl"
+    assert generate(default_gguf, inp, out, "-n", "4").returncode == 1
+    write_jsonl(inp, [{"id": "a", "prompt": "Hi", "max_tokens": 2}, {"id": "b", "prompt": "Hi"}])
+    r = generate(default_gguf, inp, out, "-n", "4")
+    assert "nothing to do" in r.stderr and "1 failed" in r.stderr
+    r = generate(default_gguf, inp, out, "-n", "4", "--retry-failed")
+    assert r.returncode == 0, r.stderr
+    assert_each_once(out, ["a", "b"])
+
+
+@pytest.mark.parametrize("bad", [["--concurrency", "0"], ["--temperature", "-1"],
+                                 ["--format", "csv"]])
+def test_bad_flags_one_line(default_gguf: Path, tmp_path: Path, bad: list[str]) -> None:
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Hi"}])
+    out = tmp_path / "out.jsonl"
+    r = generate(default_gguf, inp, out, *bad)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ") and "hint: " in r.stderr
+    assert not out.exists()
