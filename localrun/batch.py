@@ -224,12 +224,13 @@ def _batched(
                 yield job.index, e
         if not seqs:
             return
-        pieces = session.generate_batch(
-            [s.prompt for s in seqs], [s.sampling for s in seqs], [s.cancel for s in seqs],
-            [s.stats for s in seqs], max_concurrency,
-        )
         failure: LocalrunError | None = None
+        pieces: Iterator[tuple[int, str | None]] | None = None
         try:
+            pieces = session.generate_batch(
+                [s.prompt for s in seqs], [s.sampling for s in seqs],
+                [s.cancel for s in seqs], [s.stats for s in seqs], max_concurrency,
+            )
             for k, piece in pieces:
                 if cancel.cancelled:
                     for s in seqs:

@@ -130,6 +130,9 @@ def generate_batch(
     batcher: ContinuousBatcher | None = getattr(session, "_batcher", None)
     if batcher is None:
         props = dict(getattr(session, "load_properties", {}) or {})
+        # The paged-attention kernels pick their own KV precision (bf16 on AVX-512/AMX
+        # CPUs) and refuse the f32 cache the single-sequence pipeline uses for seeds.
+        props.pop("KV_CACHE_PRECISION", None)
         batcher = ContinuousBatcher(session.info.path, getattr(session, "device", "CPU"),
                                     props)
         session._batcher = batcher  # type: ignore[attr-defined]
