@@ -47,6 +47,7 @@ COMMANDS = (
     "pull",
     "models",
     "generate",
+    "bench",
 )
 
 
