@@ -118,6 +118,24 @@ class _Worker:
         self._thread.join()
 
 
+_SHARED: _Worker | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_worker() -> _Worker:
+    """The one mlx thread of this process, shared by every MLX session.
+
+    mlx streams are thread-local, and a thread that used them must not end before the
+    process does: ending one worker per closed session sometimes aborted the process
+    at exit ("terminate called without an active exception", seen in CI here).
+    """
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = _Worker()
+        return _SHARED
+
+
 def _check_files(folder: Path) -> None:
     require_files(folder, ("config.json",), what="MLX")
     names = {p.name for p in folder.iterdir()}
@@ -159,12 +177,11 @@ class MLXSession(Session):
         self._generate_step = generate_step
         self._make_sampler = make_sampler
         self._make_logits_processors = make_logits_processors
-        self._worker: _Worker | None = _Worker()
+        self._worker: _Worker | None = _shared_worker()
         try:
             loaded: Any = self._worker.call(lambda: mlx_lm.load(str(path)))
             self._model, self._tok = loaded[0], loaded[1]
         except Exception as e:
-            self._worker.stop()
             self._worker = None
             raise ModelFileError(str(path), f"mlx-lm could not load it "
                                  f"({type(e).__name__}: {str(e).strip()[:300]})") from e
@@ -303,7 +320,6 @@ class MLXSession(Session):
     def close(self) -> None:
         worker, self._worker = self._worker, None
         if worker is not None:
-            worker.stop()
             self._model = None
 
 
