@@ -263,7 +263,9 @@ class OfflineMissingError(LocalrunError, FileNotFoundError):
                                                if len(self.missing) > 4 else "")
         super().__init__(
             f"{reason}, and the Hugging Face cache lacks what {model} needs: {shown}",
-            hint=hint or f"connect and run `localrun pull {model}` (unset HF_HUB_OFFLINE) first",
+            hint=hint or (f"unset HF_HUB_OFFLINE and run `localrun pull {model}` first"
+                          if "HF_HUB_OFFLINE" in reason else
+                          f"connect to the network and run `localrun pull {model}` first"),
         )
 
 

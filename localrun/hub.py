@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import math
@@ -276,7 +277,37 @@ def _gib(n: int) -> str:
 
 
 def _offline() -> bool:
-    return bool(constants.HF_HUB_OFFLINE)
+    return bool(constants.HF_HUB_OFFLINE) or _unreachable() is not None
+
+
+#: Seconds to wait for the Hub's TCP handshake before treating it as unreachable.
+REACH_TIMEOUT = 3.0
+
+
+def _unreachable() -> str | None:
+    """Why the Hub cannot be reached from here, or None. Asked once per endpoint.
+
+    Without this, every API call of a plan on a machine with no network would sit in
+    huggingface_hub's retry backoff (1+2+4+8+8 s) and print a warning per retry.
+    """
+    return _probe_endpoint(constants.ENDPOINT)
+
+
+@functools.lru_cache(maxsize=4)
+def _probe_endpoint(endpoint: str) -> str | None:
+    import socket
+    from urllib.parse import urlsplit
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    url = urlsplit(endpoint)
+    host = url.hostname or "huggingface.co"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=REACH_TIMEOUT):
+            return None
+    except OSError as e:
+        return f"the Hub ({host}) cannot be reached ({e.strerror or type(e).__name__})"
 
 
 def _cache_dir() -> str:
@@ -648,7 +679,8 @@ def plan_fetch(
     base: str | None
     reasons: list[str] = []
     listings: list[_Listing] = []
-    offline_reason = "HF_HUB_OFFLINE=1 is set" if _offline() else None
+    offline_reason = ("HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE
+                      else _unreachable())
     cached = _cached_repos() if offline_reason else {}
 
     def listing(repo: str, revision: str | None) -> _Listing | None:
@@ -1007,7 +1039,7 @@ def fetch(plan: FetchPlan, *, progress: ProgressCallback | None = None,
     todo = [f for f in plan.files if not _cached_now(plan, f)]
     if _offline() and todo:
         raise OfflineMissingError(plan.ref, [f"{plan.repo}/{f.path}" for f in todo],
-                                  reason="HF_HUB_OFFLINE=1 is set")
+                                  reason=_unreachable() or "HF_HUB_OFFLINE=1 is set")
     _check_disk(sum(f.size for f in todo))
     total = sum(f.size for f in todo)
     done = 0
