@@ -19,8 +19,9 @@ def doctor(
                                            "(loadable with: localrun plan --hardware FILE).")]
     = False,
 ) -> None:
-    """Show the detected hardware, the installed engines, which backend auto mode would use
-    and why, what to install for a better one, and every probe that failed.
+    """Show the hardware, the engines, and which one auto mode picks and why.
+
+    Also what to install for a better engine, and every probe that failed.
 
     Examples:
 
