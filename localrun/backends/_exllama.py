@@ -5,7 +5,8 @@ CUDA_HOME environment variable is not set`` on a host without it), so everything
 can be decided without the engine lives here and is tested on any machine:
 
 - the load options (``kv_cache``, ``gpu_split``, ``tensor_parallel``, ``paged``) and
-  their validation;
+  their validation (``gpu_split`` means the same on both engines: see
+  :func:`v2_weights_split`);
 - the sampler settings, every field set (the engines' defaults are not neutral);
 - the model folder's chat template, BOS/EOS tokens and every end-of-sequence id;
 - the context that fits the free VRAM, and how the model is split across GPUs;
@@ -51,6 +52,7 @@ from localrun.backends.hf_config import eos_ids, read_json
 from localrun.errors import (
     EngineNotInstalledError,
     EngineUnavailableError,
+    GenerationError,
     InvalidOptionError,
     LocalrunError,
     ModelFileError,
@@ -106,16 +108,23 @@ KV_ELEMENT_BYTES: dict[str, dict[KVCache, float]] = {
 #: (model/model.py load_gen reserve_per_device).
 ENGINE_RESERVE: dict[str, int] = {"exllamav2": 256 * MiB, "exllamav3": 512 * MiB}
 
+#: ``gpu_split`` on both engines: the most VRAM, in GiB (the engines' "GB"), the model may
+#: take on each GPU for everything (weights, KV cache, working buffers).
+GPU_SPLIT_HELP = ("a list of GiB per GPU for weights + KV cache, e.g. [20, 24] "
+                  "(default: autosplit)")
+
 #: The options each backend accepts through ``localrun.load(..., **options)``.
 OPTIONS: dict[str, dict[str, str]] = {
     "exllamav2": {
         "kv_cache": "fp16, q8, q6 or q4",
-        "gpu_split": "a list of GB per GPU, e.g. [20, 24] (default: autosplit)",
+        "gpu_split": GPU_SPLIT_HELP,
         "paged": "True/False (default: True when flash-attn >= 2.5.7 is installed)",
+        "tensor_parallel": "True/False (default: False; the engine's tensor-parallel mode "
+                           "covers Llama, Mistral, Qwen2/3 and GLM-4)",
     },
     "exllamav3": {
         "kv_cache": "fp16, q8, q6 or q4",
-        "gpu_split": "a list of GB per GPU, e.g. [20, 24] (default: autosplit)",
+        "gpu_split": GPU_SPLIT_HELP,
         "tensor_parallel": "True/False (default: True on two or more GPUs when the "
                            "architecture supports it)",
     },
@@ -446,10 +455,14 @@ def plan_split(engine: str, n_gpus: int, *, device: str | None, options: LoadOpt
                supports_tp: bool = True) -> SplitPlan:
     """How the weights and the cache are spread over the visible GPUs.
 
-    ``device="cuda:N"`` pins everything to GPU N; a ``gpu_split`` (GB per GPU) is used as
-    given; otherwise ExLlamaV2 fills the GPUs in turn (``load_autosplit``) and ExLlamaV3
-    splits tensors across two or more GPUs when the architecture supports it (its
-    successor's point), else fills them in turn.
+    ``device="cuda:N"`` pins everything to GPU N; a ``gpu_split`` (GiB per GPU, weights and
+    KV cache together: :data:`GPU_SPLIT_HELP`) is used as given; otherwise the model fills
+    the GPUs in turn (autosplit), or is split tensor by tensor across them: ExLlamaV3 does
+    that by default on two or more GPUs when the architecture supports it (its
+    successor's point), ExLlamaV2 only when asked (``tensor_parallel=True``: the engine's
+    ``load_tp`` and ``ExLlamaV2Cache_TP``, which its own loader calls "not fully supported
+    for all models"). ``supports_tp`` is the architecture's own flag (ExLlamaV2
+    ``cfg.arch.lm.supports_tp``, ExLlamaV3 ``model.caps["supports_tp"]``).
     """
     if n_gpus < 1:
         raise no_gpu_error(engine, "the engine sees no GPU")
@@ -461,29 +474,47 @@ def plan_split(engine: str, n_gpus: int, *, device: str | None, options: LoadOpt
                                      "False when a single device is named")
         split = tuple([0.0] * pinned + [1e6])
         return SplitPlan("single", (pinned,), split, f"device {device} named")
+    if options.tensor_parallel and not supports_tp:
+        raise InvalidOptionError(title, "tensor_parallel", True,
+                                 f"False ({title} has no tensor-parallel support for this "
+                                 "model's architecture)")
     if options.gpu_split is not None:
         split = options.gpu_split
         if len(split) > n_gpus:
             raise InvalidOptionError(title, "gpu_split", list(split),
                                      f"at most {n_gpus} values ({n_gpus} GPU(s) visible)")
         devices = tuple(i for i, gb in enumerate(split) if gb > 0)
-        mode: SplitMode = "tensor_parallel" if (engine == "exllamav3" and
-                                                 options.tensor_parallel) else "manual"
+        mode: SplitMode = "tensor_parallel" if options.tensor_parallel else "manual"
         return SplitPlan(mode, devices, split, "gpu_split given")
     devices = tuple(range(n_gpus))
-    if engine == "exllamav3":
-        if options.tensor_parallel is True and not supports_tp:
-            raise InvalidOptionError(title, "tensor_parallel", True,
-                                     "False (this architecture has no tensor-parallel support)")
-        wanted = options.tensor_parallel if options.tensor_parallel is not None \
-            else supports_tp
-        if wanted and n_gpus >= 2:
-            return SplitPlan("tensor_parallel", devices, None,
-                             f"tensor-parallel across {n_gpus} GPUs")
-    if options.tensor_parallel and engine == "exllamav2":
-        raise InvalidOptionError(title, "tensor_parallel", True, "not an ExLlamaV2 option")
+    by_default = supports_tp and engine == "exllamav3"
+    wanted = options.tensor_parallel if options.tensor_parallel is not None else by_default
+    if wanted and n_gpus >= 2:
+        return SplitPlan("tensor_parallel", devices, None, f"tensor-parallel across {n_gpus} GPUs")
     why = "one GPU" if n_gpus == 1 else f"layers filled across {n_gpus} GPUs in turn"
+    if wanted and n_gpus == 1:
+        why += " (tensor parallel needs two or more)"
     return SplitPlan("autosplit", devices, None, why)
+
+
+def v2_weights_split(split: SplitPlan, weights: int, cache_bytes: int | None) -> list[float]:
+    """The ``gpu_split`` to hand ExLlamaV2's ``model.load()``, from localrun's.
+
+    localrun's ``gpu_split`` (and ExLlamaV3's ``use_per_device``, and ExLlamaV2's own
+    ``load_tp``) is what the model may take on each GPU, KV cache included. ExLlamaV2's
+    ``load(gpu_split)`` budgets weights and fixed buffers only ("Does not account for the
+    size of the cache", model.py); the cache then goes on top, on whichever GPU holds each
+    layer. Every layer brings the same share of the cache as of the weights, so a GPU
+    given ``w`` GiB of weights ends up holding ``w * (W + C) / W``: it gets
+    ``g * W / (W + C)`` of its ``g`` GiB for weights. (Embeddings and the output head
+    carry no cache, so this errs on the safe side.) Only "manual" plans are converted;
+    "single" already gives its GPU everything.
+    """
+    assert split.gpu_split is not None
+    if split.mode != "manual" or not cache_bytes or weights <= 0:
+        return list(split.gpu_split)
+    share = weights / (weights + cache_bytes)
+    return [gb * share for gb in split.gpu_split]
 
 
 # -- sampling ---------------------------------------------------------------------------------
@@ -618,8 +649,21 @@ def apply_final_result(result: Mapping[str, Any], stats: GenerationStats) -> Non
     stats.decode_seconds = max(float(result.get("time_generate", 0.0)), 0.0)
 
 
-class EngineJobError(LocalrunError, RuntimeError):
-    """A job the engine reported as failed (exllamav3 ``"stage": "error"`` results)."""
+class EngineJobError(GenerationError):
+    """Sequences the engine gave up on: exllamav3 reports a job that failed in page
+    allocation or prefill with an ``"stage": "error"`` result (``Generator.reap_failed_job``)
+    and keeps serving the others; a job that leaves the engine's queues without a final
+    result is reported the same way rather than waited for."""
+
+    def __init__(self, engine: str, failures: Mapping[int, object]) -> None:
+        self.failures = dict(failures)
+        first = self.failures[min(self.failures)]
+        what = f"{type(first).__name__}: {first}" if isinstance(first, BaseException) else \
+            "the job left the engine's queue without a result"
+        which = ", ".join(str(i) for i in sorted(self.failures))
+        noun = "sequence" if len(self.failures) == 1 else "sequences"
+        super().__init__(ENGINE_TITLES.get(engine, engine or "ExLlama"),
+                         f"{noun} {which}: {what}")
 
 
 #: Builds one engine job: (prompt, sampling, max_new_tokens, identifier) -> job object.
@@ -635,6 +679,7 @@ def run_jobs(
     stats: Sequence[GenerationStats],
     limits: Sequence[int],
     max_concurrency: int | None,
+    engine: str = "",
 ) -> Iterator[tuple[int, str | None]]:
     """Drive a dynamic generator (ExLlamaV2DynamicGenerator or exllamav3 Generator).
 
@@ -643,15 +688,46 @@ def run_jobs(
     ``max_concurrency`` jobs are queued at once; the generator batches those it can
     fit. A cancel token set between iterations cancels that job in the engine
     (``generator.cancel(job)``); closing this iterator cancels every job still queued.
+
+    Results are matched to sequences by their ``"job"`` object (``"serial"`` as a
+    fallback): every result of both engines carries those, while ``"identifier"`` is
+    missing from exllamav3's failed-job results. A failed job ends only its own sequence;
+    the others run on, and :class:`EngineJobError` is raised once they are done. An
+    exception out of ``iterate()`` itself (ExLlamaV2 contains no failures, nor does
+    exllamav3 in the forward pass) ends the whole call.
+
+    Text the engine still holds back when a stop token ends a job (the result's
+    ``"held"``: the stop token's own piece, and any incomplete UTF-8 before it) is not
+    part of the reply. A requeued job (exllamav3 ``"requeue"``) is the same job object
+    with the same serial; its second ``"started"`` does not restart the clock.
     """
     n = len(prompts)
     waiting = list(range(n))
-    active: dict[int, Any] = {}
+    active: dict[int, Any] = {}  # index -> the engine's job
+    by_job: dict[int, int] = {}  # id(job) -> index, while the job is active
+    by_serial: dict[int, int] = {}
+    failed: dict[int, object] = {}  # index -> the engine's error (None: the job vanished)
     cap = max_concurrency or n
+
+    def forget(i: int) -> Any:
+        job = active.pop(i)
+        by_job.pop(id(job), None)
+        for serial in [k for k, v in by_serial.items() if v == i]:
+            del by_serial[serial]
+        return job
+
+    def index_of(r: Mapping[str, Any]) -> int | None:
+        job = r.get("job")
+        i = by_job.get(id(job)) if job is not None else None
+        if i is not None and active.get(i) is job:
+            return i
+        serial = r.get("serial")
+        return by_serial.get(serial) if isinstance(serial, int) else None
+
     try:
         while waiting or active:
             for i in [i for i in active if cancels[i].cancelled]:
-                generator.cancel(active.pop(i))
+                generator.cancel(forget(i))
                 yield i, None
             while waiting and len(active) < cap:
                 i = waiting.pop(0)
@@ -661,39 +737,52 @@ def run_jobs(
                     yield i, None
                     continue
                 job = make_job(prompts[i], samplings[i], limits[i], i)
-                generator.enqueue(job)
+                serial = generator.enqueue(job)
                 active[i] = job
+                by_job[id(job)] = i
+                if isinstance(serial, int) and not isinstance(serial, bool):
+                    by_serial[serial] = i
             if not active:
                 continue
             for r in generator.iterate():
-                i = r.get("identifier")
-                if not isinstance(i, int) or i not in active:
+                found = index_of(r)
+                if found is None:
                     continue
+                i = found
                 stage = r.get("stage")
                 if stage == "error":
-                    active.pop(i)
-                    err = r.get("error")
-                    raise EngineJobError(f"the engine failed on sequence {i}: "
-                                         f"{type(err).__name__}: {err}") from \
-                        (err if isinstance(err, BaseException) else None)
+                    forget(i)
+                    failed[i] = r.get("error")
+                    continue
                 if stage == "started":
-                    stats[i].started = time.perf_counter()
+                    if not stats[i].started:  # a requeued job starts again
+                        stats[i].started = time.perf_counter()
                     continue
                 if stage != "streaming":
-                    continue
+                    continue  # "prefill": progress through the prompt
                 count = token_count(r["token_ids"]) if "token_ids" in r else 0
                 text = r.get("text", "")
                 if count or text:
                     stats[i].completion_tokens += count
                     yield i, text
                 if r.get("eos"):
-                    active.pop(i)
+                    forget(i)
                     apply_final_result(r, stats[i])
                     yield i, None
+            remaining = getattr(generator, "num_remaining_jobs", None)
+            if active and remaining is not None and remaining() == 0:
+                # The engine holds none of them: waiting would spin forever on empty results.
+                for i in list(active):
+                    forget(i)
+                    failed[i] = None
     finally:
         for job in active.values():
             with contextlib.suppress(Exception):  # the engine may be gone (closed session)
                 generator.cancel(job)
+    if failed:
+        error = EngineJobError(engine, failed)
+        first = failed[min(failed)]
+        raise error from (first if isinstance(first, BaseException) else None)
 
 
 class ExLlamaSession(Session):
@@ -717,7 +806,8 @@ class ExLlamaSession(Session):
         stats: GenerationStats,
     ) -> Iterator[str]:
         for _, piece in run_jobs(self.generator, self.make_job, [prompt], [sampling],
-                                 [cancel], [stats], [self._limit(prompt, sampling)], 1):
+                                 [cancel], [stats], [self._limit(prompt, sampling)], 1,
+                                 self.info.backend):
             if piece is not None:
                 yield piece
 
@@ -731,7 +821,7 @@ class ExLlamaSession(Session):
     ) -> Iterator[tuple[int, str | None]]:
         limits = [self._limit(p, s) for p, s in zip(prompts, samplings, strict=True)]
         return run_jobs(self.generator, self.make_job, prompts, samplings, cancels, stats,
-                        limits, max_concurrency)
+                        limits, max_concurrency, self.info.backend)
 
 
 def read_model_json(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

@@ -3,10 +3,14 @@
 Loading follows the engine's own recipe: ``ExLlamaV2Config(dir)`` with ``max_seq_len``
 set to the context localrun chose for the free VRAM, ``ExLlamaV2(cfg)``, a lazy cache
 (FP16 or Q8/Q6/Q4: ``kv_cache=``) that ``model.load_autosplit(cache)`` spreads over the
-visible GPUs with the weights (or ``model.load(gpu_split)`` when one is given), and
-``ExLlamaV2Tokenizer(cfg)``. Generation runs as jobs on ``ExLlamaV2DynamicGenerator``:
-streaming, batching (paged mode, which needs flash-attn >= 2.5.7; without it
-``paged=False`` and one sequence at a time) and cancellation (``generator.cancel(job)``).
+visible GPUs with the weights, and ``ExLlamaV2Tokenizer(cfg)``. A ``gpu_split`` (GiB per
+GPU, KV cache included, as on ExLlamaV3) goes to ``model.load()`` converted to the
+weights-only budget that call takes (:func:`localrun.backends._exllama.v2_weights_split`);
+``tensor_parallel=True`` loads with ``model.load_tp(gpu_split, expect_cache_tokens=,
+expect_cache_base=)`` and an ``ExLlamaV2Cache_TP`` over the chosen cache class.
+Generation runs as jobs on ``ExLlamaV2DynamicGenerator``: streaming, batching (paged
+mode, which needs flash-attn >= 2.5.7; without it ``paged=False`` and one sequence at a
+time) and cancellation (``generator.cancel(job)``).
 
 The engine has no chat templates and keeps only one EOS id; localrun renders the
 model's template and passes every EOS id as the job's ``stop_conditions``. Every
@@ -27,10 +31,12 @@ from localrun.backends import engine_version
 from localrun.backends._exllama import (
     V2_CACHE_CLASS,
     ExLlamaSession,
+    KVCache,
     adds_bos,
     choose_context,
     engine_import_error,
     free_for_split,
+    kv_bytes_per_token,
     load_failure,
     model_name,
     parse_options,
@@ -41,17 +47,25 @@ from localrun.backends._exllama import (
     read_model_json,
     stop_token_ids,
     v2_sampler_settings,
+    v2_weights_split,
     weights_bytes,
 )
 from localrun.backends.base import LoadRequest, Prompt, Session
 from localrun.backends.hf_config import architecture, sampling_defaults, trained_context
-from localrun.errors import InvalidOptionError, ModelFileError
-from localrun.memory import shape_from_config
+from localrun.errors import InvalidOptionError, LocalrunError, ModelFileError
+from localrun.memory import ModelShape, shape_from_config
 from localrun.sampling import ResolvedSampling
 from localrun.templates import render_chat
 from localrun.types import Message, ModelInfo
 
 ENGINE = "exllamav2"
+
+
+def v2_cache_bytes(cfg: Any, kv_cache: KVCache, tokens: int, n_gpus: int) -> int:
+    """The KV cache's size from the engine's config, when config.json gave no shape."""
+    shape = ModelShape(n_layers=int(cfg.num_hidden_layers),
+                       n_kv_heads=int(cfg.num_key_value_heads), head_dim=int(cfg.head_dim))
+    return int(kv_bytes_per_token(ENGINE, shape, kv_cache, n_gpus) * tokens)
 
 
 class ExLlamaV2Session(ExLlamaSession):
@@ -67,11 +81,6 @@ class ExLlamaV2Session(ExLlamaSession):
         shape = shape_from_config(config)
         trained = trained_context(config)
         free = probe_cuda(ENGINE)  # EngineUnavailableError on hosts without a GPU
-        split = plan_split(ENGINE, len(free), device=request.device, options=options)
-        choice = choose_context(ENGINE, model=str(folder), requested=request.context,
-                                trained=trained, weights=weights_bytes(folder), shape=shape,
-                                free_vram=free_for_split(free, split),
-                                kv_cache=options.kv_cache)
         try:
             torch: Any = importlib.import_module("torch")
             from exllamav2 import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer
@@ -91,6 +100,16 @@ class ExLlamaV2Session(ExLlamaSession):
         try:
             cfg = ExLlamaV2Config(str(folder))
             cfg.arch_compat_overrides(quiet=True)
+            # TPContext asserts both (exllamav2 tensor_p.py): refuse before loading.
+            supports_tp = bool(getattr(getattr(getattr(cfg, "arch", None), "lm", None),
+                                       "supports_tp", False)) and \
+                int(getattr(cfg, "intermediate_size", 0) or 0) % 128 == 0
+            split = plan_split(ENGINE, len(free), device=request.device, options=options,
+                               supports_tp=supports_tp)
+            choice = choose_context(ENGINE, model=str(folder), requested=request.context,
+                                    trained=trained, weights=weights_bytes(folder),
+                                    shape=shape, free_vram=free_for_split(free, split),
+                                    kv_cache=options.kv_cache)
             cfg.max_seq_len = choice.cache_tokens
             cfg.max_input_len = min(cfg.max_input_len, choice.cache_tokens)
             cfg.max_attention_size = min(cfg.max_attention_size, cfg.max_input_len ** 2)
@@ -106,14 +125,25 @@ class ExLlamaV2Session(ExLlamaSession):
             if split.mode == "autosplit":
                 cache = cache_cls(model, max_seq_len=choice.cache_tokens, lazy=True)
                 model.load_autosplit(cache, progress=False)
+            elif split.mode == "tensor_parallel":
+                # load_tp's gpu_split already counts the cache it is told to expect.
+                model.load_tp(list(split.gpu_split) if split.gpu_split is not None else None,
+                              progress=False, expect_cache_tokens=choice.cache_tokens,
+                              expect_cache_base=cache_cls)
+                cache = ex_cache.ExLlamaV2Cache_TP(model, base=cache_cls,
+                                                   max_seq_len=choice.cache_tokens,
+                                                   batch_size=1)
             else:
-                assert split.gpu_split is not None
-                model.load(gpu_split=list(split.gpu_split), progress=False)
+                cache_bytes = choice.kv_cache_bytes if choice.kv_cache_bytes is not None \
+                    else v2_cache_bytes(cfg, options.kv_cache, choice.cache_tokens,
+                                        len(split.devices))
+                model.load(gpu_split=v2_weights_split(split, weights_bytes(folder),
+                                                      cache_bytes), progress=False)
                 cache = cache_cls(model, max_seq_len=choice.cache_tokens, lazy=False)
             tokenizer = ExLlamaV2Tokenizer(cfg)
             self.generator = ExLlamaV2DynamicGenerator(
                 model=model, cache=cache, tokenizer=tokenizer, paged=paged)
-        except InvalidOptionError:
+        except LocalrunError:
             self.close()
             raise
         except (AssertionError, ValueError, KeyError, OSError, RuntimeError) as e:
@@ -182,6 +212,13 @@ class ExLlamaV2Session(ExLlamaSession):
         if gen is not None:
             with contextlib.suppress(Exception):
                 gen.clear_queue()
+            # The generator has no close() in 0.3.2; its two thread pools (16 workers each
+            # by default) would otherwise live until it is garbage collected.
+            for name in ("sampling_pool", "filter_pool"):
+                pool = getattr(gen, name, None)
+                if pool is not None:
+                    with contextlib.suppress(Exception):
+                        pool.shutdown(wait=False)
         self.generator = None
         model = getattr(self, "_model", None)
         if model is not None:

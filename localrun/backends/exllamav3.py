@@ -3,7 +3,9 @@
 ExLlamaV2's successor, made for several consumer GPUs: on two or more it loads
 tensor-parallel (``model.load(tensor_p=True)``) when the architecture supports it
 (``model.caps["supports_tp"]``), else it fills the GPUs in turn (autosplit); a
-``gpu_split`` (GB per GPU) or ``device="cuda:N"`` overrides that. The recipe is the
+``gpu_split`` or ``device="cuda:N"`` overrides that. ``gpu_split`` is GiB per GPU for
+weights and KV cache together, which is what ``model.load(use_per_device=)`` takes here
+(the cache is attached before the load) and what it means on ExLlamaV2. The recipe is the
 engine's: ``Config.from_directory(dir)``, ``Model.from_config(cfg)``, a ``Cache`` made
 before ``model.load()`` so the split accounts for it (FP16 or quantized: ``kv_cache=``),
 ``Tokenizer.from_config(cfg)``, and jobs on the dynamic ``Generator`` for streaming,
@@ -45,7 +47,7 @@ from localrun.backends._exllama import (
 )
 from localrun.backends.base import LoadRequest, Prompt, Session
 from localrun.backends.hf_config import architecture, sampling_defaults, trained_context
-from localrun.errors import ModelFileError
+from localrun.errors import LocalrunError, ModelFileError
 from localrun.memory import shape_from_config
 from localrun.sampling import ResolvedSampling
 from localrun.templates import render_chat
@@ -120,6 +122,9 @@ class ExLlamaV3Session(ExLlamaSession):
             tokenizer = Tokenizer.from_config(cfg)
             self.generator = Generator(model=model, cache=cache, tokenizer=tokenizer,
                                        max_chunk_size=chunk)
+        except LocalrunError:  # InvalidOptionError is a ValueError: not a load failure
+            self.close()
+            raise
         except (AssertionError, ValueError, KeyError, OSError, RuntimeError,
                 NotImplementedError) as e:
             self.close()
@@ -184,6 +189,13 @@ class ExLlamaV3Session(ExLlamaSession):
         if gen is not None:
             with contextlib.suppress(Exception):
                 gen.clear_queue()
+            # Generator.close() frees what the model and cache do not: the recurrent-state
+            # cache (up to 4 GiB of RAM by default), the CPU page cache, pinned staging
+            # buffers and the filter thread pool. Older releases have no close().
+            close = getattr(gen, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
         self.generator = None
         model = getattr(self, "_model", None)
         if model is not None:
