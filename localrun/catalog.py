@@ -2,13 +2,17 @@
 
 Every repo id in catalog.json carries its evidence (see the file's ``_about``). Entries
 marked only by weak evidence ("C") are *unverified*: the Hub planner tries discovery
-first and uses them last.
+first and uses them last. A file or branch seen only in weaker evidence than its repo
+carries its own mark (``file_evidence`` / ``branch_evidence``). Ids that the evidence
+showed to be wrong are kept under ``_rejected`` so that they are not added back.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -25,12 +29,21 @@ class Variant:
     format: str
     evidence: str
     file: str | None = None  # the Q4_K_M file, when known (GGUF)
-    branch: str | None = None  # the bpw branch (EXL2/EXL3)
-    subfolder: str | None = None  # the variant folder (ONNX GenAI)
+    branch: str | None = None  # the bpw branch (EXL2/EXL3): the weights are not on main
+    subfolder: str | None = None  # the variant folder (ONNX GenAI, multi-model repos)
+    file_evidence: str | None = None  # the file's or branch's own mark, when weaker
+    branch_evidence: str | None = None
+    note: str = ""
 
     @property
     def verified(self) -> bool:
         return self.evidence in VERIFIED_EVIDENCE
+
+    @property
+    def where(self) -> str:
+        """The repo with its branch and subfolder, as a label."""
+        return (self.repo + (f"@{self.branch}" if self.branch else "")
+                + (f"/{self.subfolder}" if self.subfolder else ""))
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,11 @@ class CatalogEntry:
     gated: bool
     names: tuple[str, ...]  # other spellings accepted for the alias
     variants: tuple[Variant, ...]
+    #: the sampling its model card recommends, applied where the files say nothing
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    #: names the model goes by inside files (GGUF general.name, config.json
+    #: _name_or_path) beyond its repo names, e.g. a training-run name
+    model_names: tuple[str, ...] = ()
 
     def variants_for(self, format: str) -> list[Variant]:
         """Known variants in ``format``: verified ones first, in catalog order."""
@@ -51,21 +69,36 @@ class CatalogEntry:
 def _entry(alias: str, raw: dict[str, Any]) -> CatalogEntry:
     variants = tuple(
         Variant(repo=v["repo"], format=fmt, evidence=v.get("evidence", "C"), file=v.get("file"),
-                branch=v.get("branch"), subfolder=v.get("subfolder"))
+                branch=v.get("branch"), subfolder=v.get("subfolder"),
+                file_evidence=v.get("file_evidence"), branch_evidence=v.get("branch_evidence"),
+                note=v.get("note", ""))
         for fmt, items in raw.get("variants", {}).items()
         for v in items
     )
     return CatalogEntry(alias=alias, base=raw["base"], license=raw.get("license", ""),
                         gated=bool(raw.get("gated", False)),
-                        names=tuple(raw.get("names", ())), variants=variants)
+                        names=tuple(raw.get("names", ())), variants=variants,
+                        sampling=dict(raw.get("sampling", {})),
+                        model_names=tuple(raw.get("model_names", ())))
+
+
+@cache
+def _data() -> dict[str, Any]:
+    text = resources.files("localrun").joinpath("catalog.json").read_text(encoding="utf-8")
+    data = json.loads(text)
+    assert isinstance(data, dict)
+    return data
 
 
 @cache
 def entries() -> dict[str, CatalogEntry]:
     """All catalog entries by alias."""
-    text = resources.files("localrun").joinpath("catalog.json").read_text(encoding="utf-8")
-    data = json.loads(text)
-    return {alias: _entry(alias, raw) for alias, raw in data["models"].items()}
+    return {alias: _entry(alias, raw) for alias, raw in _data()["models"].items()}
+
+
+def rejected() -> dict[str, str]:
+    """Repo ids the evidence showed to be wrong (id -> why); never catalog variants."""
+    return {r["repo"]: r["why"] for r in _data().get("_rejected", [])}
 
 
 @cache
@@ -87,6 +120,31 @@ def for_repo(repo: str) -> CatalogEntry | None:
     key = repo.lower()
     for e in entries().values():
         if e.base.lower() == key or any(v.repo.lower() == key for v in e.variants):
+            return e
+    return None
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-")
+
+
+def for_model_name(name: str) -> CatalogEntry | None:
+    """The entry a model name found in files denotes: a repo id (``org/name``, a Hub URL)
+    of its base or a variant, or the base's own name however spelled (``SmolLM2 135M
+    Instruct`` = ``SmolLM2-135M-Instruct``), or one of its ``model_names``. Exact
+    matches only: ``SmolLM2-135M`` (the base model) is not ``SmolLM2-135M-Instruct``."""
+    name = re.sub(r"^https?://(www\.)?huggingface\.co/", "", name.strip()).strip("/")
+    if not name:
+        return None
+    if name.count("/") == 1:
+        found = for_repo(name)
+        if found is not None:
+            return found
+    key = _norm(name)
+    for e in entries().values():
+        spellings = (e.base.split("/")[-1], *(v.repo.split("/")[-1] for v in e.variants),
+                     *e.model_names)
+        if any(_norm(s) == key for s in spellings):
             return e
     return None
 

@@ -12,7 +12,13 @@ Downloads go into the standard HF cache (``HF_HOME``/``HF_HUB_CACHE``) through
 Range requests. localrun adds the LFS sha256 check of every weight file it downloads
 (a mismatch is deleted and fetched once more), a disk-space check, and errors that say
 what to do. With ``HF_HUB_OFFLINE=1`` (or no network) plans are made from the cache,
-and what is missing is named.
+and what is missing is named: a name that was downloaded before (an alias, a base repo
+id) is planned from what that download resolved it to (:mod:`localrun.pulls`).
+
+Catalog entries are hints, not promises: an entry the Hub no longer has (404, gated, no
+usable weights) is passed over with one line in the plan's reasons, and the Hub's model
+tree is searched instead. In a repo holding several models (ONNX folders, GGUF files),
+only the variants of the requested model size are candidates.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import math
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -45,9 +52,9 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from localrun import memory
+from localrun import memory, pulls
 from localrun.backends import BACKENDS, canonical_backend
-from localrun.catalog import CatalogEntry
+from localrun.catalog import CatalogEntry, Variant
 from localrun.errors import (
     ChecksumError,
     DiskFullError,
@@ -60,7 +67,7 @@ from localrun.errors import (
 )
 from localrun.formats import compat
 from localrun.memory import MemoryEstimate, ModelShape
-from localrun.refs import ModelRef, parse_ref
+from localrun.refs import ModelRef, as_catalog_alias, default_serves, parse_ref
 from localrun.stores import StoredModel, find_lmstudio, find_ollama
 
 Source = Literal["hub", "cache", "ollama", "lmstudio", "local"]
@@ -179,6 +186,7 @@ class FetchPlan:
     options: tuple[QuantOption, ...] = ()
     reasons: tuple[str, ...] = ()
     gated: bool = False
+    asked_quant: str | None = None  # the quant the caller asked for (ref or quant=)
 
     @property
     def download_bytes(self) -> int:
@@ -260,6 +268,7 @@ class _Cand:
     primary: str | None = None
     subfolder: str | None = None
     penalty: float = 0.0  # pushes device-mismatched variants back
+    pinned: bool = False  # the file/folder/branch a catalog entry names (wins ties)
 
     @property
     def weights_bytes(self) -> int:
@@ -420,35 +429,38 @@ def gguf_quant(filename: str) -> str | None:
 
 
 def _gguf_candidates(listing: _Listing) -> tuple[list[_Cand], list[str]]:
-    """One candidate per quant (shards grouped); also the names of incomplete shard sets."""
-    groups: dict[str, list[str]] = {}
+    """One candidate per model file (shards grouped); also the names of incomplete shard
+    sets. A repo may hold several models with the same quant (``…-1.5B-Q4_K_M.gguf`` and
+    ``…-7B-Q4_K_M.gguf``): each file is its own candidate, never folded into another."""
+    singles: list[str] = []
+    shard_sets: dict[str, list[str]] = {}
     for name in sorted(listing.files):
         if not name.lower().endswith(".gguf") or GGUF_IGNORE.search(name):
             continue
-        q = gguf_quant(name) or "?"
-        groups.setdefault(q, []).append(name)
+        if GGUF_SHARD.search(name):
+            shard_sets.setdefault(GGUF_SHARD.sub("", name).lower(), []).append(name)
+        else:
+            singles.append(name)
     cands: list[_Cand] = []
     incomplete: list[str] = []
-    for q, files in groups.items():
-        shards = [f for f in files if GGUF_SHARD.search(f)]
-        singles = [f for f in files if not GGUF_SHARD.search(f)]
-        if singles:
-            cands.append(_Cand(listing, "gguf", None if q == "?" else q,
-                               GGUF_BPW.get(q, 8.0), (singles[0],), primary=singles[0]))
-        if shards:
-            m = GGUF_SHARD.search(shards[0])
-            assert m is not None
-            n = int(m.group(2))
-            stem = GGUF_SHARD.sub("", shards[0])
-            want = [f"{stem}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
-            have = {s.lower(): s for s in shards}
-            missing = [w for w in want if w.lower() not in have]
-            if missing:
-                incomplete.extend(missing)
-                continue
-            ordered = tuple(have[w.lower()] for w in want)
-            cands.append(_Cand(listing, "gguf", None if q == "?" else q,
-                               GGUF_BPW.get(q, 8.0), ordered, primary=ordered[0]))
+    for f in singles:
+        q = gguf_quant(f)
+        cands.append(_Cand(listing, "gguf", q, GGUF_BPW.get(q or "?", 8.0), (f,), primary=f))
+    for shards in shard_sets.values():
+        m = GGUF_SHARD.search(shards[0])
+        assert m is not None
+        n = int(m.group(2))
+        stem = GGUF_SHARD.sub("", shards[0])
+        want = [f"{stem}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+        have = {s.lower(): s for s in shards}
+        missing = [w for w in want if w.lower() not in have]
+        if missing:
+            incomplete.extend(missing)
+            continue
+        ordered = tuple(have[w.lower()] for w in want)
+        q = gguf_quant(ordered[0])
+        cands.append(_Cand(listing, "gguf", q, GGUF_BPW.get(q or "?", 8.0), ordered,
+                           primary=ordered[0]))
     return cands, incomplete
 
 
@@ -466,9 +478,17 @@ def _named_bits(name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def device_kind(device: str | None) -> str | None:
+    """``"GPU.1"`` / ``"cuda:0"`` / ``"NPU"`` -> ``"gpu"`` / ``"cuda"`` / ``"npu"``."""
+    if not device:
+        return None
+    return re.split(r"[:.]", device.strip().lower(), maxsplit=1)[0] or None
+
+
 def _variant_candidates(listing: _Listing, fmt: str, device: str | None) -> tuple[
         list[_Cand], list[str]]:
     """Every variant of ``fmt`` inside one repo listing (and missing shard names)."""
+    device = device_kind(device)
     if fmt == "gguf":
         return _gguf_candidates(listing)
     if fmt == "onnx":
@@ -491,6 +511,8 @@ def _variant_candidates(listing: _Listing, fmt: str, device: str | None) -> tupl
         return out, []
     name = listing.repo.split("/")[-1]
     if fmt == "openvino":
+        if ov_missing(listing.files):
+            return [], []  # OpenVINO GenAI cannot load it: not a candidate
         m = OV_QUANT.search(name)
         quant = m.group(1).lower() if m else None
         bits = {"int4": 4.0, "nf4": 4.0, "int8": 8.0, "fp16": 16.0, "fp32": 32.0}.get(
@@ -517,6 +539,29 @@ def _variant_candidates(listing: _Listing, fmt: str, device: str | None) -> tupl
     return [_Cand(listing, fmt, None, 16.0, _all_files(listing))], []
 
 
+#: What OpenVINO GenAI's LLMPipeline loads: the model IR and the tokenizer IRs beside it
+#: (community exports often lack the latter: the engine then refuses the folder).
+OV_MODEL_XML = ("openvino_model.xml", "openvino_language_model.xml")
+OV_TOKENIZER_XML = ("openvino_tokenizer.xml", "openvino_detokenizer.xml")
+
+
+def ov_missing(files: Iterable[str]) -> list[str]:
+    """The files an OpenVINO IR repo lacks for OpenVINO GenAI ([] when it is complete)."""
+    names = {f for f in files if "/" not in f}
+    xml = next((x for x in OV_MODEL_XML if x in names), None)
+    need = [xml[:-4] + ".bin"] if xml else [f"{OV_MODEL_XML[0]} (or {OV_MODEL_XML[1]})"]
+    return [n for n in (*need, *OV_TOKENIZER_XML) if n not in names]
+
+
+def unusable(lst: _Listing, fmt: str) -> str | None:
+    """Why a repo in ``fmt`` has nothing an engine can run, or None."""
+    if fmt == "openvino" and ov_missing(lst.files):
+        return "lacks " + ", ".join(ov_missing(lst.files))
+    if fmt not in ("exl2", "exl3") and not _variant_candidates(lst, fmt, None)[0]:
+        return f"holds no complete {fmt} model"
+    return None
+
+
 def quant_matches(cand_quant: str | None, cand_bpw: float, fmt: str, tag: str) -> bool:
     """Does a user's quant tag (``Q4_K_M``, ``4bit``, ``int4``, ``4.0bpw``) name this variant?"""
     t = tag.strip().lower()
@@ -534,6 +579,56 @@ def quant_matches(cand_quant: str | None, cand_bpw: float, fmt: str, tag: str) -
     if t in ("bf16", "fp16", "f16"):
         return cand_bpw == 16.0
     return False
+
+
+# --- several models in one repo -------------------------------------------------------------------
+
+#: A parameter count in a name: ``1.5B``, ``7b``, ``135M`` (not ``int4``, ``8bit``, ``2.5bpw``).
+MODEL_SIZE = re.compile(r"(?i)(?<![a-z0-9.])(\d+(?:\.\d+)?)([bm])(?![a-z0-9])")
+
+
+def model_sizes(text: str) -> set[float]:
+    """Parameter counts (in billions) named in a repo, folder or file name."""
+    return {float(n) / (1000.0 if unit.lower() == "m" else 1.0)
+            for n, unit in MODEL_SIZE.findall(text)}
+
+
+def model_size(repo: str) -> float | None:
+    """The parameter count a repo id names (``Qwen/Qwen2.5-0.5B-Instruct`` -> 0.5), if one."""
+    sizes = model_sizes(repo.split("/")[-1])
+    return next(iter(sizes)) if len(sizes) == 1 else None
+
+
+def _size_label(b: float) -> str:
+    return f"{b * 1000:g}M" if b < 1 else f"{b:g}B"
+
+
+def _other_size(c: _Cand, wanted: float) -> set[float] | None:
+    """The sizes a candidate's own folder or file names, when none is ``wanted``."""
+    text = c.subfolder or c.primary or ""
+    sizes = model_sizes(text)
+    if sizes and not any(math.isclose(s, wanted, rel_tol=0.02) for s in sizes):
+        return sizes
+    return None
+
+
+def keep_model_size(cands: list[_Cand], wanted: float | None) -> tuple[list[_Cand], list[str]]:
+    """Drop the variants of other models in multi-model repos (a 7B folder next to the 1.5B
+    one, ``…-7B-Q4_K_M.gguf`` next to ``…-1.5B-…``); one reason line per repo."""
+    if wanted is None:
+        return cands, []
+    kept: list[_Cand] = []
+    dropped: dict[str, set[float]] = {}
+    for c in cands:
+        other = _other_size(c, wanted)
+        if other is None:
+            kept.append(c)
+        else:
+            dropped.setdefault(c.listing.repo, set()).update(other)
+    lines = [f"{repo} also holds other models ({', '.join(_size_label(x) for x in sorted(sz))}"
+             f"): only its {_size_label(wanted)} variants are candidates"
+             for repo, sz in dropped.items()]
+    return kept, lines
 
 
 # --- discovery ----------------------------------------------------------------------------------
@@ -565,13 +660,13 @@ def _search_children(base: str, fmt: str) -> list[tuple[str, int]]:
 
 
 def _candidate_repos(ref: ModelRef, base: str | None, fmt: str,
-                     entry: CatalogEntry | None) -> list[str]:
+                     entry: CatalogEntry | None, *, offline: bool = False) -> list[str]:
     """Repos to look in, best first: verified catalog variants, then the Hub's model
     tree ranked by publisher trust and downloads, then unverified catalog entries."""
     verified = [v.repo for v in (entry.variants_for(fmt) if entry else []) if v.verified]
     unverified = [v.repo for v in (entry.variants_for(fmt) if entry else []) if not v.verified]
     discovered: list[str] = []
-    if base and not _offline():
+    if base and not offline and not _offline():
         own = base.split("/")[0]
         try:
             children = _search_children(base, fmt)
@@ -658,128 +753,346 @@ def plan_fetch(
     the engine's native one). ``memory_budget_bytes``: free VRAM / unified memory / RAM;
     None skips the fit check. ``context``: tokens of KV cache to plan for (default: the
     model's trained context, at most 8192). ``quant``: a tag overriding the one in ``ref``.
-    ``device``: "cpu", "cuda", "npu", … (chooses among ONNX/OpenVINO device variants).
+    ``device``: "cpu", "cuda", "npu", "GPU.0", … (chooses among ONNX/OpenVINO device
+    variants).
 
     Network use: Hub API calls (model info, file tree, refs, search) and, only once the
     weights fit the budget, a small read of the model's header or config.json for the
-    KV-cache size. Raises UnknownModelError, HubNotFoundError, NoVariantError,
-    FormatMismatchError, OfflineMissingError. A plan that does not fit is returned with
-    ``fits=False`` (call ``require_fit()`` to refuse).
+    KV-cache size. Offline (``HF_HUB_OFFLINE=1`` or the Hub unreachable) a name that was
+    downloaded before is planned from what that download fetched, else from the cache.
+    Raises UnknownModelError, HubNotFoundError, NoVariantError, FormatMismatchError,
+    OfflineMissingError. A plan that does not fit is returned with ``fits=False`` (call
+    ``require_fit()`` to refuse).
     """
     r = ref if isinstance(ref, ModelRef) else parse_ref(ref)
     name = canonical_backend(backend or default_backend())
     fmt = format or BACKENDS[name].formats[0]
     want_quant = quant or r.quant
+    if r.kind == "default" and not default_serves(want_quant):
+        r = as_catalog_alias(r)  # e.g. smollm2:135m --quant Q8_0: the alias, on the Hub
 
     local = _plan_local(r, name, fmt, want_quant, memory_budget_bytes, context)
     if local is not None:
         return local
+    planner = _Planner(r, name, fmt, want_quant, device, memory_budget_bytes, context,
+                       allow_unoptimized)
+    return replace(planner.plan(), asked_quant=want_quant)
 
-    entry = r.entry
-    base: str | None
-    reasons: list[str] = []
-    listings: list[_Listing] = []
-    offline_reason = ("HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE
-                      else _unreachable())
-    cached = _cached_repos() if offline_reason else {}
 
-    def listing(repo: str, revision: str | None) -> _Listing | None:
-        nonlocal offline_reason, cached
-        if offline_reason is None:
+class _Planner:
+    """One :func:`plan_fetch` call for a Hub name: its state (online, or planning from the
+    cache once the Hub is out of reach), the reasons shown with the plan, and its steps."""
+
+    def __init__(self, r: ModelRef, backend: str, fmt: str, want_quant: str | None,
+                 device: str | None, budget: int | None, context: int | None,
+                 allow_unoptimized: bool) -> None:
+        self.r = r
+        self.backend = backend
+        self.fmt = fmt
+        self.want_quant = want_quant
+        self.device = device
+        self.budget = budget
+        self.context = context
+        self.allow_unoptimized = allow_unoptimized
+        self.reasons: list[str] = []
+        self.failures: dict[str, str] = {}  # repo (or repo@branch) -> why it was passed over
+        self.offline_reason = ("HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE
+                               else _unreachable())
+        self.cached: dict[str, Any] = _cached_repos() if self.offline_reason else {}
+        self.pins: dict[str, Variant] = {}  # repo (lower case) -> its catalog entry
+        self.passed: list[str] = []  # what was passed over, and why
+
+    def note(self, line: str) -> None:
+        """A reason that says what was passed over; it also goes with a NoVariantError
+        (``passed_over``), so that an engine fallback can show why."""
+        self.reasons.append(line)
+        self.passed.append(line)
+
+    def no_variant(self, fmt: str, tried: list[str], hint: str | None = None) -> NoVariantError:
+        err = NoVariantError(self.r.raw, format=fmt, backend=self.backend, tried=tried,
+                             hint=hint)
+        err.passed_over = tuple(self.passed)
+        return err
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def plan(self) -> FetchPlan:
+        if self.offline_reason:
+            recorded = self.from_records()
+            if recorded is not None:
+                return recorded
+        try:
+            return self.search()
+        except OfflineMissingError:
+            # The Hub went out of reach half way: an earlier download of this name may do.
+            recorded = self.from_records() if self.offline_reason else None
+            if recorded is None:
+                raise
+            return recorded
+
+    def listing(self, repo: str, revision: str | None) -> _Listing | None:
+        """The repo's files at ``revision`` from the Hub, or from the cache when offline.
+        A repo other than the one the user named that the Hub refuses is None, with
+        the reason kept in ``failures``."""
+        if self.offline_reason is None:
             try:
                 return _hub_listing(repo, revision)
-            except HubNotFoundError:
-                if repo == r.repo:
+            except HubNotFoundError as e:
+                if repo == self.r.repo:
                     raise
+                where = f"{repo}@{revision}" if revision else repo
+                self.failures[where] = ("is not on the Hub (404)" if e.revision is None
+                                        else f"has no branch {revision!r} on the Hub")
+                return None
+            except ModelGatedError:
+                if repo == self.r.repo:
+                    raise
+                self.failures[repo] = "is gated (401: accept its licence and set HF_TOKEN)"
                 return None
             except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled) as e:
-                offline_reason = f"the Hub cannot be reached ({type(e).__name__})"
-                cached = _cached_repos()
-        return _cache_listing(repo, revision, cached)
+                self.offline_reason = f"the Hub cannot be reached ({type(e).__name__})"
+                self.cached = _cached_repos()
+        return _cache_listing(repo, revision, self.cached)
 
-    if r.kind == "repo":
-        assert r.repo is not None
-        first = listing(r.repo, r.revision)
-        if first is None:
-            raise OfflineMissingError(r.raw, [f"{r.repo}@{r.revision or 'main'}"],
-                                      reason=offline_reason or "not cached")
-        own_fmt = repo_format(first)
-        if own_fmt != "hf" or (first.config or {}).get("quantization_config"):
-            # The repo is itself a variant: its format decides.
-            if own_fmt != fmt:
-                compat.check(own_fmt, name, model=r.repo, allow_unoptimized=allow_unoptimized)
-                fmt = own_fmt
-            listings = [first]
-            if fmt in ("exl2", "exl3") and r.revision is None:
-                listings = _exl_branches(first, listing)
-            base = None
-            reasons.append(f"{r.repo} is a {fmt} repo")
-        else:
-            base = r.repo
-            reasons.append(f"{r.repo} is the original model; looking for its {fmt} variants")
-    else:  # alias
-        assert entry is not None
-        base = entry.base
-        reasons.append(f"alias {r.alias} is {entry.base}")
+    def search(self) -> FetchPlan:
+        """Plan from the Hub (or the cache): the named repo, or the variants of a base."""
+        r = self.r
+        base: str | None
+        listings: list[_Listing] = []
+        if r.kind == "repo":
+            assert r.repo is not None
+            first = self.listing(r.repo, r.revision)
+            if first is None:
+                # Offline and not cached. A base model's own repo is rarely downloaded:
+                # its variants in the cache (e.g. pulled by an older localrun) may do.
+                if not (self.offline_reason and r.revision is None
+                        and not _names_a_variant(r.repo)):
+                    raise OfflineMissingError(r.raw, [f"{r.repo}@{r.revision or 'main'}"],
+                                              reason=self.offline_reason or "not cached")
+                base = r.repo
+                self.reasons.append(f"{r.repo} is not in the cache: looking for its "
+                                    f"{self.fmt} variants there")
+            else:
+                own_fmt = repo_format(first)
+                if own_fmt != "hf" or (first.config or {}).get("quantization_config"):
+                    # The repo is itself a variant: its format decides.
+                    if own_fmt != self.fmt:
+                        compat.check(own_fmt, self.backend, model=r.repo,
+                                     allow_unoptimized=self.allow_unoptimized)
+                        self.fmt = own_fmt
+                    listings = [first]
+                    if self.fmt in ("exl2", "exl3") and r.revision is None:
+                        listings = self.exl_branches(first)
+                    base = None
+                    self.reasons.append(f"{r.repo} is a {self.fmt} repo")
+                else:
+                    base = r.repo
+                    self.reasons.append(f"{r.repo} is the original model; looking for its "
+                                        f"{self.fmt} variants")
+        else:  # alias
+            entry = r.entry
+            assert entry is not None
+            base = entry.base
+            self.reasons.append(f"alias {r.alias} is {entry.base}")
+        if base is not None:
+            listings = self.variant_listings(base, r.entry or _entry_for(base))
+        return self.choose(listings, base)
 
-    if base is not None:
-        repos = _candidate_repos(r, base, fmt, entry or _entry_for(base))
-        if offline_reason:
+    def variant_listings(self, base: str, entry: CatalogEntry | None) -> list[_Listing]:
+        """The repos holding ``base`` in the wanted format: catalog entries and the Hub's
+        model tree. A catalog entry the Hub refuses or that holds no usable weights is
+        passed over with one line, never the end of the plan."""
+        fmt = self.fmt
+        self.pins = {v.repo.lower(): v for v in reversed(entry.variants_for(fmt))} \
+            if entry else {}
+        repos = _candidate_repos(self.r, base, fmt, entry, offline=bool(self.offline_reason))
+        if self.offline_reason:
             stem = base.split("/")[-1].lower()
-            repos += [rid for rid in cached if stem in rid.lower() and rid not in repos]
+            repos += [rid for rid in self.cached if stem in rid.lower() and rid not in repos]
+        listings: list[_Listing] = []
         for rid in repos[:MAX_DISCOVERED]:
-            lst = listing(rid, None)
+            pin = self.pins.get(rid.lower())
+            lst = self.listing(rid, None)
             if lst is None:
+                if pin is not None and rid in self.failures:
+                    self.note(f"catalog entry {rid} {self.failures[rid]}: passed over; "
+                              "the Hub's model tree is searched instead")
                 continue
-            if repo_format(lst) != fmt:
+            own = repo_format(lst)
+            if own != fmt:
+                if pin is not None and lst.source == "hub":
+                    self.note(
+                        f"catalog entry {rid} holds no {compat.title(fmt)} weights on "
+                        f"{lst.revision} (its files look like {compat.title(own)}): passed over")
+                continue
+            why = unusable(lst, fmt)
+            if why is not None:
+                if pin is not None and lst.source == "hub":
+                    self.note(f"catalog entry {rid} {why}: passed over (no usable "
+                              f"{compat.title(fmt)} weights)")
                 continue
             if fmt in ("exl2", "exl3"):
-                listings.extend(_exl_branches(lst, listing))
+                branches = self.exl_branches(lst, pin.branch if pin else None)
+                if not branches and pin is not None and lst.source == "hub":
+                    self.note(f"catalog entry {pin.where} has no {fmt} weights on any "
+                              "branch: passed over")
+                listings.extend(branches)
             else:
                 listings.append(lst)
-        if not listings and offline_reason is None and compat.support("hf", name) == "loads" \
-                and allow_unoptimized:
-            base_lst = listing(base, r.revision)
+        if not listings and self.offline_reason is None \
+                and compat.support("hf", self.backend) == "loads" and self.allow_unoptimized:
+            base_lst = self.listing(base, self.r.revision)
             if base_lst is not None:
                 listings.append(base_lst)
-                fmt = "hf"
+                self.fmt = "hf"
         if not listings:
-            if offline_reason:
+            if self.offline_reason:
                 raise OfflineMissingError(
-                    r.raw, [f"any {fmt} variant of {base}"
-                            + (f" (e.g. {', '.join(repos[:3])})" if repos else "")],
-                    reason=offline_reason)
-            raise NoVariantError(r.raw, format=fmt, backend=name, tried=repos or [base])
+                    self.r.raw, [f"any {fmt} variant of {base}"
+                                 + (f" (e.g. {', '.join(repos[:3])})" if repos else "")],
+                    reason=self.offline_reason)
+            raise self.no_variant(fmt, repos or [base])
+        return self.without_gated(listings)
 
-    cands: list[_Cand] = []
-    missing: list[str] = []
-    for lst in listings:
-        cs, inc = _variant_candidates(lst, fmt, device)
-        cands.extend(cs)
-        missing.extend(f"{lst.repo}: {m}" for m in inc)
-    if want_quant:
-        matching = [c for c in cands if quant_matches(c.quant, c.bpw, fmt, want_quant)]
-        if not matching:
-            have = sorted({c.quant for c in cands if c.quant})
-            if offline_reason:
-                raise OfflineMissingError(
-                    r.raw, [f"{want_quant} of {r.repo or base}", *missing], reason=offline_reason,
-                    hint="cached quants: " + (", ".join(have) or "none")
-                    + f"; connect and run `localrun pull {r.raw}`")
-            raise NoVariantError(
-                r.raw, format=fmt, backend=name, tried=[lst.repo for lst in listings],
-                hint=f"no {want_quant} file; available: {', '.join(have) or 'none'}")
-        cands = matching
-    if not cands:
-        if offline_reason:
-            raise OfflineMissingError(r.raw, missing or [f"{fmt} files of {r.repo or base}"],
-                                      reason=offline_reason)
-        raise NoVariantError(r.raw, format=fmt, backend=name,
-                             tried=[lst.repo for lst in listings])
-    if offline_reason:
-        reasons.append(f"{offline_reason}: planned from the Hugging Face cache")
-    return _choose(r, name, fmt, cands, base, memory_budget_bytes, context, reasons,
-                   target=DEFAULT_TARGET.get(fmt, 4.0), explicit=bool(want_quant))
+    def without_gated(self, listings: list[_Listing]) -> list[_Listing]:
+        """With no HF token, a gated variant would fail at download: use the open ones."""
+        if huggingface_hub.get_token() is not None:
+            return listings
+        open_ = [lst for lst in listings if not lst.gated]
+        gated = sorted({lst.repo for lst in listings if lst.gated})
+        if open_ and gated:
+            self.note(f"{', '.join(gated)} gated and no HF_TOKEN is set: passed over "
+                      "for open variants")
+            return open_
+        return listings
+
+    def exl_branches(self, first: _Listing, pinned: str | None = None) -> list[_Listing]:
+        """EXL2/EXL3 repos keep each bpw on its own branch (main may hold only a README).
+        The catalog's branch is tried too: it works when the Hub lists no refs."""
+        out = [first] if BPW_BRANCH.match(first.revision) or _has_weights(first) else []
+        if first.source == "cache":
+            entry = self.cached.get(first.repo) or _cached_repos().get(first.repo)
+            names = sorted(entry.refs) if entry is not None else []
+        else:
+            try:
+                names = [b.name for b in _api().list_repo_refs(first.repo).branches]
+            except (HfHubHTTPError, httpx2.HTTPError):
+                names = []
+        if pinned and pinned not in names:
+            names.append(pinned)
+        for b in names:
+            if b != first.revision and BPW_BRANCH.match(b):
+                lst = self.listing(first.repo, b)
+                if lst is not None:
+                    out.append(lst)
+                elif b == pinned and f"{first.repo}@{b}" in self.failures:
+                    why = self.failures[f"{first.repo}@{b}"]
+                    self.note(f"catalog entry {first.repo}@{b} {why}: passed over")
+        return out
+
+    def candidates(self, listings: list[_Listing]) -> tuple[list[_Cand], list[str]]:
+        """Every variant in ``listings`` (the catalog's own file/folder/branch pinned),
+        then only those of the requested model size; also missing shard names."""
+        cands: list[_Cand] = []
+        missing: list[str] = []
+        for lst in listings:
+            cs, inc = _variant_candidates(lst, self.fmt, self.device)
+            cands.extend(self.pin(lst, cs))
+            missing.extend(f"{lst.repo}: {m}" for m in inc)
+        wanted = model_size(self.r.repo) if self.r.kind == "repo" and self.r.repo else None
+        if self.r.kind == "alias" and self.r.entry is not None:
+            wanted = model_size(self.r.entry.base)
+        cands, lines = keep_model_size(cands, wanted)
+        for line in lines:
+            self.note(line)
+        return cands, missing
+
+    def pin(self, lst: _Listing, cands: list[_Cand]) -> list[_Cand]:
+        v = self.pins.get(lst.repo.lower())
+        if v is None or not cands:
+            return cands
+        out = [replace(c, pinned=(
+            (v.subfolder is None or c.subfolder == v.subfolder)
+            and (v.file is None or c.primary == v.file)
+            and (v.branch is None or lst.revision == v.branch)
+            and bool(v.subfolder or v.file or v.branch))) for c in cands]
+        if lst.source == "hub" and not any(c.pinned for c in out):
+            if v.subfolder and not any(c.subfolder == v.subfolder for c in cands):
+                self.note(f"catalog folder {v.subfolder} is not in {lst.repo}: its other "
+                          "variants are candidates")
+            elif v.file and not any(c.primary == v.file for c in cands):
+                self.note(f"catalog file {v.file} is not in {lst.repo}: its other files "
+                          "are candidates")
+        return out
+
+    def choose(self, listings: list[_Listing], base: str | None) -> FetchPlan:
+        r, fmt, want_quant = self.r, self.fmt, self.want_quant
+        cands, missing = self.candidates(listings)
+        if want_quant:
+            matching = [c for c in cands if quant_matches(c.quant, c.bpw, fmt, want_quant)]
+            if not matching:
+                have = sorted({c.quant for c in cands if c.quant})
+                if self.offline_reason:
+                    raise OfflineMissingError(
+                        r.raw, [f"{want_quant} of {r.repo or base}", *missing],
+                        reason=self.offline_reason,
+                        hint="cached quants: " + (", ".join(have) or "none")
+                        + f"; connect and run `localrun pull {r.raw}`")
+                raise self.no_variant(
+                    fmt, [lst.repo for lst in listings],
+                    hint=f"no {want_quant} file; available: {', '.join(have) or 'none'}")
+            cands = matching
+        if not cands:
+            if self.offline_reason:
+                raise OfflineMissingError(r.raw, missing or [f"{fmt} files of {r.repo or base}"],
+                                          reason=self.offline_reason)
+            whys = [f"{lst.repo} {w}" for lst in listings if (w := unusable(lst, fmt))]
+            raise self.no_variant(fmt, [lst.repo for lst in listings],
+                                  hint="; ".join(whys) + "; name another variant repo, or pick "
+                                  "another engine with --backend" if whys else None)
+        if self.offline_reason:
+            self.reasons.append(f"{self.offline_reason}: planned from the Hugging Face cache")
+        return _choose(r, self.backend, fmt, cands, base, self.budget, self.context,
+                       self.reasons, target=DEFAULT_TARGET.get(fmt, 4.0),
+                       explicit=bool(want_quant))
+
+    def from_records(self) -> FetchPlan | None:
+        """Offline: plan what an earlier download of this very name fetched for this
+        engine (and quant), if its files are still in the cache."""
+        name = record_name(self.r)
+        if name is None:
+            return None
+        recs = pulls.find(_records(), name, backend=self.backend)
+        if self.want_quant:
+            want = pulls.norm_quant(self.want_quant)
+            recs = [x for x in recs if want in (pulls.norm_quant(x.quant),
+                                                pulls.norm_quant(x.variant_quant))]
+        else:
+            recs.sort(key=lambda x: x.quant is not None)  # the default choice first
+        cached = self.cached or _cached_repos()
+        for rec in recs:
+            lst = _record_listing(rec, cached)
+            if lst is None:
+                continue
+            cands = [c for c in _variant_candidates(lst, rec.format, self.device)[0]
+                     if (c.primary, c.subfolder) == (rec.primary, rec.subfolder)]
+            if not cands:
+                continue
+            when = time.strftime("%Y-%m-%d", time.localtime(rec.pulled_at))
+            reasons = [f"{self.offline_reason}: {rec.display} was downloaded for "
+                       f"{rec.backend} on {when}; using those files"]
+            return _choose(self.r, self.backend, rec.format, cands[:1], None, self.budget,
+                           self.context, reasons, target=DEFAULT_TARGET.get(rec.format, 4.0),
+                           explicit=True, why="what that download fetched")
+        return None
+
+
+def _names_a_variant(repo: str) -> bool:
+    """Does a repo id name a quantized variant (``…-GGUF``, ``…-4bit``, ``…-int4-ov``)?
+    Offline, such a name is never stood in for by another publisher's cached repo."""
+    return bool(re.search(r"(?i)(gguf|mlx|onnx|exl[23]|awq|gptq|-ov$|\d+[-_]?bits?|"
+                          r"(?:^|[-_])(?:u?int\d+|fp\d+|bf16|q\d\w*)(?:$|[-_]))",
+                          repo.split("/")[-1]))
 
 
 def _entry_for(repo: str) -> CatalogEntry | None:
@@ -788,24 +1101,65 @@ def _entry_for(repo: str) -> CatalogEntry | None:
     return catalog.for_repo(repo)
 
 
-def _exl_branches(first: _Listing, listing: Callable[[str, str | None], _Listing | None]
-                  ) -> list[_Listing]:
-    """EXL2/EXL3 repos keep each bpw on its own branch (main may hold only a README)."""
-    out = [first] if BPW_BRANCH.match(first.revision) or _has_weights(first) else []
-    if first.source == "cache":
-        entry = _cached_repos().get(first.repo)
-        names = sorted(entry.refs) if entry is not None else []
-    else:
-        try:
-            names = [b.name for b in _api().list_repo_refs(first.repo).branches]
-        except (HfHubHTTPError, httpx2.HTTPError):
-            names = []
-    for b in names:
-        if b != first.revision and BPW_BRANCH.match(b):
-            lst = listing(first.repo, b)
-            if lst is not None:
-                out.append(lst)
+# --- what earlier downloads resolved names to (localrun.pulls) -----------------------------------
+
+def record_name(r: ModelRef) -> str | None:
+    """The name a download of ``r`` is remembered under: the catalog alias, or the repo
+    id (with ``@revision`` when one was named); None for local models."""
+    if r.kind == "alias" and r.alias:
+        return r.alias
+    if r.kind == "repo" and r.repo:
+        return r.repo + (f"@{r.revision}" if r.revision else "")
+    return None
+
+
+def _records() -> list[pulls.PullRecord]:
+    return pulls.load(_cache_dir())
+
+
+def _record_listing(rec: pulls.PullRecord, cached: dict[str, Any]) -> _Listing | None:
+    """The cached snapshot a record points at, if every file it names is still there."""
+    lst = _cache_listing(rec.repo, rec.commit or rec.revision, cached)
+    if lst is None or not rec.files or any(f not in lst.files for f in rec.files):
+        return None
+    lst.revision = rec.revision  # the branch name (EXL bpw branches are quants)
+    return lst
+
+
+def _remember(plan: FetchPlan) -> None:
+    """Write down what ``plan``'s name resolved to (best effort: a read-only home only
+    loses the offline shortcut, never the download)."""
+    try:
+        r = parse_ref(plan.ref)
+    except LocalrunError:
+        return
+    if r.kind == "default":  # the packaged model's name, planned as the catalog alias
+        r = as_catalog_alias(r)
+    name = record_name(r)
+    if name is None or plan.repo is None:
+        return
+    rec = pulls.PullRecord(
+        name=name, backend=plan.backend, quant=plan.asked_quant, repo=plan.repo,
+        revision=plan.revision or "main", commit=plan.commit, format=plan.format,
+        variant_quant=plan.quant, subfolder=plan.subfolder, primary=plan.primary,
+        files=tuple(f.path for f in plan.files), cache=_cache_dir())
+    with contextlib.suppress(OSError):
+        pulls.remember(rec)
+
+
+def pulled_backends(ref: str | ModelRef) -> list[str]:
+    """Engines an earlier download of ``ref`` (the same name) is in the cache for."""
+    r = ref if isinstance(ref, ModelRef) else parse_ref(ref)
+    name = record_name(r)
+    if name is None:
+        return []
+    cached = _cached_repos()
+    out: list[str] = []
+    for rec in pulls.find(_records(), name):
+        if rec.backend not in out and _record_listing(rec, cached) is not None:
+            out.append(rec.backend)
     return out
+
 
 
 def _has_weights(lst: _Listing) -> bool:
@@ -814,14 +1168,14 @@ def _has_weights(lst: _Listing) -> bool:
 
 def _choose(r: ModelRef, backend: str, fmt: str, cands: list[_Cand], base: str | None,
             budget: int | None, context: int | None, reasons: list[str], *, target: float,
-            explicit: bool) -> FetchPlan:
+            explicit: bool, why: str | None = None) -> FetchPlan:
     own = (base or cands[0].listing.repo).split("/")[0]
     repo_order = {c.listing.repo: i for i, c in enumerate(
         sorted(cands, key=lambda c: _trust_rank(c.listing.repo, own)))}
 
-    def key(c: _Cand) -> tuple[float, float, int, float]:
+    def key(c: _Cand) -> tuple[float, float, bool, int, float]:
         dist = -c.bpw if math.isinf(target) else abs(c.bpw - target)
-        return (round(dist, 2), c.penalty, repo_order[c.listing.repo], -c.bpw)
+        return (round(dist, 2), c.penalty, not c.pinned, repo_order[c.listing.repo], -c.bpw)
 
     ordered = sorted(cands, key=key)
     shape: ModelShape | None = None
@@ -863,7 +1217,8 @@ def _choose(r: ModelRef, backend: str, fmt: str, cands: list[_Cand], base: str |
     fits = budget is None or chosen_est.total_bytes <= budget
     lst = chosen.listing
     reasons.append(f"chose {chosen.label}" + (
-        " (asked for)" if explicit else f" (default quality {fmt_target(fmt)}, nearest that fits)"))
+        f" ({why})" if why else " (asked for)" if explicit
+        else f" (default quality {fmt_target(fmt)}, nearest that fits)"))
     if shape is None:
         reasons.append("KV cache size unknown (no GGUF header or config.json read)")
     if lst.gated and huggingface_hub.get_token() is None:
@@ -1030,6 +1385,8 @@ def fetch(plan: FetchPlan, *, progress: ProgressCallback | None = None,
     file with an LFS sha256 that this call downloaded (``verify="all"``: every file) is
     checked; a mismatch is deleted and downloaded once more, then ChecksumError.
     Raises ModelGatedError, HubNotFoundError, OfflineMissingError, DiskFullError.
+    A Hub model's name is remembered with what it resolved to (:mod:`localrun.pulls`),
+    so that the same name runs offline later.
     """
     plan.require_fit()
     if plan.local_path is not None:
@@ -1060,7 +1417,10 @@ def fetch(plan: FetchPlan, *, progress: ProgressCallback | None = None,
                 progress(DownloadProgress(f.path, i, len(todo), delta, state["file_done"],
                                           file_total, done, total))
 
-        path = _download(plan, f.path, revision, _bar_class(report) if fresh else None)
+        # A cached file is asked for by commit: huggingface_hub then answers from the
+        # cache without a request (the Hub may be out of reach, or main moved on).
+        path = _download(plan, f.path, revision if fresh or not plan.commit else plan.commit,
+                         _bar_class(report) if fresh else None)
         if f.sha256 and (fresh or verify == "all"):
             actual = sha256_file(path)
             if actual != f.sha256:
@@ -1084,6 +1444,7 @@ def fetch(plan: FetchPlan, *, progress: ProgressCallback | None = None,
     root = Path(abs_path)
     for _ in rel.split("/"):
         root = root.parent
+    _remember(plan)
     if plan.primary:
         return root / plan.primary
     if plan.subfolder:
@@ -1129,9 +1490,11 @@ def _download(plan: FetchPlan, filename: str, revision: str, bar: type | None,
 
 def cached_models() -> list[StoredModel]:
     """Models in the HF cache: one row per GGUF quant, per EXL branch, per ONNX variant,
-    else per repo."""
+    else per repo; ``pulled_as`` names the aliases and repo ids downloads resolved to it."""
     out: list[StoredModel] = []
-    for repo_id, entry in sorted(_cached_repos().items()):
+    cached = _cached_repos()
+    names = _pulled_names(cached)
+    for repo_id, entry in sorted(cached.items()):
         for ref_name, rev in sorted(entry.refs.items()):
             lst = _cache_listing(repo_id, ref_name, {repo_id: entry})
             if lst is None:
@@ -1150,7 +1513,21 @@ def cached_models() -> list[StoredModel]:
                 if ref_name != "main":
                     name += f"@{ref_name}"
                 out.append(StoredModel(name=name, path=path, format=fmt, quant=c.quant,
-                                       size=size, store="hf", repo=repo_id, revision=ref_name))
+                                       size=size, store="hf", repo=repo_id, revision=ref_name,
+                                       pulled_as=tuple(names.get(str(Path(path)), ()))))
+    return out
+
+
+def _pulled_names(cached: dict[str, Any]) -> dict[str, list[str]]:
+    """Path of a cached model -> the names (with engine) downloads of it were asked by."""
+    out: dict[str, list[str]] = {}
+    for rec in _records():
+        lst = _record_listing(rec, cached)
+        if lst is None or lst.snapshot is None:
+            continue
+        shown = out.setdefault(str(lst.snapshot / (rec.primary or rec.subfolder or "")), [])
+        if rec.display not in shown:
+            shown.append(rec.display)
     return out
 
 
@@ -1174,16 +1551,20 @@ def plan_removal(ref: str | ModelRef) -> Removal:
     except CacheNotFound:
         info = None
     repos_by_id = {x.repo_id.lower(): x for x in info.repos} if info else {}
+    # What downloads of this very name resolved to (discovered repos are in no catalog).
+    name = record_name(r)
+    recorded = [rec.repo for rec in pulls.find(_records(), name)] if name else []
     if r.kind == "repo" and r.repo:
-        wanted = [r.repo]
+        wanted = [r.repo, *recorded]
     elif r.kind == "alias" and r.entry is not None:
         e = r.entry
-        wanted = [e.base, *(v.repo for v in e.variants)]
+        wanted = [e.base, *(v.repo for v in e.variants), *recorded]
     else:
         raise LocalrunError(f"{r.raw} is not in the Hugging Face cache",
                             hint="localrun rm takes a Hub repo id or an alias; "
                             "see `localrun list`")
-    hits = [repos_by_id[w.lower()] for w in wanted if w.lower() in repos_by_id]
+    wanted = list(dict.fromkeys(w.lower() for w in wanted))
+    hits = [repos_by_id[w] for w in wanted if w in repos_by_id]
     if not hits or info is None:
         raise HubNotFoundError(r.raw, hint="nothing of it is cached; see `localrun list`")
     quant = r.quant
@@ -1204,8 +1585,12 @@ def plan_removal(ref: str | ModelRef) -> Removal:
 
 
 def remove(removal: Removal) -> int:
-    """Delete what :func:`plan_removal` found; return the bytes freed."""
+    """Delete what :func:`plan_removal` found; return the bytes freed. Records of
+    downloads whose files are gone are dropped with them."""
     removal._strategy.execute()
+    cached = _cached_repos()
+    with contextlib.suppress(OSError):
+        pulls.forget(_cache_dir(), lambda rec: _record_listing(rec, cached) is None)
     return removal.freed_bytes
 
 
@@ -1224,6 +1609,7 @@ def describe_options(options: Iterable[QuantOption]) -> list[str]:
 __all__: Sequence[str] = (
     "DEFAULT_BACKEND", "DownloadProgress", "FetchPlan", "PlannedFile",
     "ProgressCallback", "QuantOption", "Removal", "cached_models", "default_backend",
-    "describe_options", "fetch", "gguf_quant", "plan_fetch", "plan_removal", "quant_matches",
-    "remove", "repo_format",
+    "describe_options", "device_kind", "fetch", "gguf_quant", "keep_model_size", "model_size",
+    "model_sizes", "plan_fetch", "plan_removal", "pulled_backends", "quant_matches",
+    "record_name", "remove", "repo_format",
 )

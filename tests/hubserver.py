@@ -11,7 +11,8 @@ Serves on 127.0.0.1 (random port) what huggingface_hub 1.x/2.x asks for:
 - errors through ``X-Error-Code``: RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo
 
 Fault injection: ``drop_once`` (send half a file, then close the connection) and
-``corrupt_once`` (send the right length with wrong bytes), each for one (repo, path).
+``corrupt_once`` (send the right length with wrong bytes), each for one (repo, path);
+``fail_paths``: request paths (regular expressions) answered with a 500.
 Every request is recorded in ``requests`` for assertions.
 """
 
@@ -75,6 +76,9 @@ class FakeFile:
     data: bytes | None = None
     size: int | None = None  # declared size for virtual files (data None): never served
     lfs: bool | None = None
+    # Hashes are asked for on every API call (commit shas): real models are 100+ MB.
+    _sha256: str | None = field(default=None, repr=False, compare=False)
+    _git_oid: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def length(self) -> int:
@@ -88,14 +92,17 @@ class FakeFile:
 
     @property
     def sha256(self) -> str:
-        if self.data is None:
-            return hashlib.sha256(f"virtual:{self.size}".encode()).hexdigest()
-        return hashlib.sha256(self.data).hexdigest()
+        if self._sha256 is None:
+            body = self.data if self.data is not None else f"virtual:{self.size}".encode()
+            self._sha256 = hashlib.sha256(body).hexdigest()
+        return self._sha256
 
     @property
     def git_oid(self) -> str:
-        body = self.data if self.data is not None else str(self.size).encode()
-        return hashlib.sha1(b"blob %d\0" % len(body) + body).hexdigest()
+        if self._git_oid is None:
+            body = self.data if self.data is not None else str(self.size).encode()
+            self._git_oid = hashlib.sha1(b"blob %d\0" % len(body) + body).hexdigest()
+        return self._git_oid
 
 
 @dataclass
@@ -132,6 +139,7 @@ class FakeHub:
         self.requests: list[dict[str, Any]] = []
         self.drop_once: set[tuple[str, str]] = set()
         self.corrupt_once: set[tuple[str, str]] = set()
+        self.fail_paths: set[str] = set()
         self.lock = threading.Lock()
 
     def add(self, repo: FakeRepo) -> FakeRepo:
@@ -188,6 +196,8 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         path = unquote(url.path)
         query = parse_qs(url.query)
+        if any(re.search(p, path) for p in self.hub.fail_paths):
+            return self._error(500, "InternalError", "injected failure")
         if path == "/api/models":
             return self._search(query)
         m = re.match(r"^/api/models/([^/]+/[^/]+)(/.*)?$", path)
@@ -494,6 +504,55 @@ def standard_hub() -> FakeHub:
     return hub
 
 
+# --- repos holding several models (issue 19) ---
+
+DEEPSEEK_ONNX = "onnxruntime/DeepSeek-R1-Distill-ONNX"
+DEEPSEEK_BASES = {"1.5B": "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+                  "7B": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"}
+
+
+def add_deepseek_onnx(hub: FakeHub) -> FakeRepo:
+    """The onnxruntime org's layout (its model card): one repo, a top folder per model,
+    device variants below. Here the 1.5B has only the CPU build and the 7B also a GPU
+    one, so a planner that looks at devices and not at models lands on the 7B."""
+    shapes = {"1.5B": (28, 2, 128, 1536, 3000), "7B": (28, 4, 128, 3584, 9000)}
+    layout = {"1.5B": ("cpu_and_mobile/cpu-int4-rtn-block-32-acc-level-4",),
+              "7B": ("cpu_and_mobile/cpu-int4-rtn-block-32-acc-level-4",
+                     "gpu/gpu-int4-rtn-block-32")}
+    files: dict[str, FakeFile] = {"README.md": _text("# DeepSeek-R1-Distill ONNX")}
+    for size, subs in layout.items():
+        layers, kv, head, hidden, n = shapes[size]
+        genai = {"model": {"type": "qwen2", "context_length": 131072, "decoder": {
+            "num_hidden_layers": layers, "num_key_value_heads": kv, "head_size": head,
+            "hidden_size": hidden, "filename": "model.onnx"}}}
+        for sub in subs:
+            root = f"deepseek-r1-distill-qwen-{size}/{sub}"
+            files[f"{root}/genai_config.json"] = _json_file(genai)
+            files[f"{root}/model.onnx"] = _blob(1200, 2)
+            files[f"{root}/model.onnx.data"] = _blob(n, 3)
+            files[f"{root}/tokenizer.json"] = _json_file({"v": 1})
+    for base in DEEPSEEK_BASES.values():
+        hub.add(FakeRepo(base, {"main": {"config.json": _json_file(QWEN_CONFIG),
+                                         "model.safetensors": FakeFile(None, size=3 * 10**9)}},
+                         tags=["transformers", "safetensors"]))
+    return hub.add(FakeRepo(DEEPSEEK_ONNX, {"main": files}, tags=[
+        "onnx", *(f"base_model:quantized:{b}" for b in DEEPSEEK_BASES.values())]))
+
+
+def add_two_model_gguf(hub: FakeHub) -> FakeRepo:
+    """A GGUF repo with a 1.5B and a 7B model in the same quants (one name scheme)."""
+    files = {f"Multi-{size}-Instruct-{q}.gguf":
+             FakeFile(gguf_bytes(quant=q, pad=int(QUANT_BPW[q] * (1000 if size == "1.5B"
+                                                                    else 4000))), lfs=True)
+             for size in ("1.5B", "7B") for q in ("Q4_K_M", "Q8_0")}
+    for size in ("1.5B", "7B"):
+        hub.add(FakeRepo(f"multiorg/Multi-{size}-Instruct", {"main": {
+            "config.json": _json_file(QWEN_CONFIG)}}, tags=["transformers"]))
+    return hub.add(FakeRepo("quantfolk/Multi-Instruct-GGUF", {"main": files}, tags=[
+        "gguf", "base_model:quantized:multiorg/Multi-1.5B-Instruct",
+        "base_model:quantized:multiorg/Multi-7B-Instruct"]))
+
+
 # --- pointing the real client at it ---
 
 
@@ -561,3 +620,58 @@ def start(monkeypatch: Any, tmp_path: Path) -> Iterator[HubFixture]:
     with HubServer(hub) as url:
         patch_client(monkeypatch, url, home)
         yield HubFixture(hub, url, home, monkeypatch)
+
+
+# --- standalone: `python3 -m tests.hubserver` (scripts/ci_fresh_install.sh) ---
+
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def add_smollm2(hub: FakeHub, gguf: Path) -> None:
+    """SmolLM2-135M-Instruct as the Hub lays it out: the base repo (weights declared,
+    never served) and a GGUF repo holding a real, runnable file."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "hidden_size": 576, "max_position_embeddings": 8192}
+    hub.add(FakeRepo(SMOLLM2, {"main": {
+        "config.json": _json_file(config), "README.md": _text("# SmolLM2"),
+        "model.safetensors": FakeFile(None, size=269_060_552),
+        "tokenizer.json": _json_file({"v": 1})}},
+        tags=["transformers", "safetensors", "text-generation"], downloads=800,
+        config={"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    quant = gguf.stem.rsplit(".", 1)[-1].rsplit("-", 1)[-1].upper()  # "...Q4_1" -> Q4_1
+    hub.add(FakeRepo(f"{SMOLLM2}-GGUF", {"main": {
+        f"smollm2-135m-instruct-{quant.lower()}.gguf": FakeFile(gguf.read_bytes(), lfs=True),
+        "README.md": _text("# GGUF")}},
+        tags=["gguf", f"base_model:quantized:{SMOLLM2}"], downloads=400))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve standard_hub() (plus SmolLM2, given a GGUF of it) on 127.0.0.1 until killed;
+    the URL is printed on stdout and, with --url-file, written there once serving."""
+    import argparse
+    import contextlib
+    import signal
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python3 -m tests.hubserver", description=main.__doc__)
+    ap.add_argument("--url-file", type=Path, help="write the URL here once serving")
+    ap.add_argument("--smollm2-gguf", type=Path,
+                    help=f"a SmolLM2-135M-Instruct GGUF to serve as {SMOLLM2}-GGUF")
+    args = ap.parse_args(argv)
+    hub = standard_hub()
+    if args.smollm2_gguf:
+        add_smollm2(hub, args.smollm2_gguf)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with HubServer(hub) as url:
+        if args.url_file:
+            tmp = args.url_file.with_name(args.url_file.name + ".tmp")
+            tmp.write_text(url + "\n", encoding="utf-8")
+            tmp.replace(args.url_file)  # whole or absent: the reader polls for it
+        print(url, flush=True)
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: shut down quietly
+            threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -64,5 +64,43 @@ def test_catalog_is_data_with_evidence() -> None:
     assert q is not None
     gguf = q.variants_for("gguf")
     assert gguf[0].repo == "Qwen/Qwen2.5-0.5B-Instruct-GGUF" and gguf[0].verified
+    # The OpenVINO org's 0.5B IR was never seen and answered 404 (catalog-check.md):
+    # rejected, and replaced by the community IR an established project names.
+    assert "OpenVINO/Qwen2.5-0.5B-Instruct-int4-ov" in catalog.rejected()
+    assert not set(catalog.rejected()) & {v.repo for e in entries.values() for v in e.variants}
     ov = q.variants_for("openvino")
-    assert ov and not ov[0].verified  # (C) evidence only
+    assert [v.repo for v in ov] == ["llmware/qwen2.5-0.5b-instruct-ov"] and ov[0].verified
+
+
+def test_catalog_corrections_from_the_check() -> None:
+    """The entries catalog-check.md found doubtful, plausible or incomplete."""
+    def variants(alias: str, fmt: str) -> list[catalog.Variant]:
+        e = catalog.lookup(alias)
+        assert e is not None
+        return e.variants_for(fmt)
+
+    # deepseek-r1:1.5b: the ONNX repo bundles the 1.5B and the 7B; the card's folder.
+    (ds,) = variants("deepseek-r1:1.5b", "onnx")
+    assert ds.subfolder == "deepseek-r1-distill-qwen-1.5B/cpu_and_mobile/" \
+        "cpu-int4-rtn-block-32-acc-level-4" and ds.verified
+    (ds7,) = variants("deepseek-r1:7b", "onnx")
+    assert ds7.subfolder and ds7.subfolder.startswith("deepseek-r1-distill-qwen-7B/")
+    assert not ds7.verified  # plausible only
+    # turboderp's main holds no weights: every EXL entry names its branch.
+    exl = [v for e in catalog.entries().values() for v in e.variants
+           if v.format in ("exl2", "exl3")]
+    assert exl and all(v.branch for v in exl), [v.repo for v in exl if not v.branch]
+    # gemma3:4b on OpenVINO: the plain int4 IR for CPU/GPU first, the NPU-tuned one kept.
+    assert [v.repo for v in variants("gemma3:4b", "openvino")] == [
+        "OpenVINO/gemma-3-4b-it-int4-ov", "OpenVINO/gemma-3-4b-it-int4-cw-ov"]
+    # Plausible only: demoted, or kept behind confirmed siblings.
+    assert not variants("qwen2.5:7b", "exl2")[0].verified
+    mlx = variants("smollm2:135m", "mlx")
+    assert mlx[0].repo == "mlx-community/SmolLM2-135M-Instruct-8bit" and mlx[0].verified
+    assert not next(v for v in mlx if v.repo.endswith("-4bit")).verified
+    # Stronger than marked before.
+    assert variants("phi4-mini", "mlx")[0].verified
+    assert variants("mistral:7b", "exl2")[0].verified
+    # Weaker: a file seen only in unrelated code carries its own mark.
+    q = variants("qwen2.5:0.5b", "gguf")[0]
+    assert q.file_evidence == "C" and q.verified

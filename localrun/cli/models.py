@@ -12,10 +12,15 @@ import typer
 def list_models(
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per model.")] = False,
 ) -> None:
-    """List downloaded models: name, format, quant, size, location and the engine that runs it."""
+    """List downloaded models: name, format, quant, size, location and the engine that runs it.
+
+    A model downloaded by an alias or a base repo id shows that name too (it runs by it,
+    offline included), e.g. ``qwen2.5:0.5b`` above ``Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M``.
+    """
     from dataclasses import asdict
 
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from localrun import hub, stores
@@ -39,8 +44,11 @@ def list_models(
         table.add_column(col, overflow="fold")
     for m in found:
         engines = ", ".join(compat.native_backends(m.format)) or "-"
-        table.add_row(m.name, m.format, m.quant or "-", f"{m.size / 2**20:,.1f} MiB",
-                      engines, m.path)
+        name = escape(m.name)
+        if m.pulled_as:
+            name = ", ".join(escape(n) for n in m.pulled_as) + f"\n[dim]{name}[/]"
+        table.add_row(name, m.format, m.quant or "-", f"{m.size / 2**20:,.1f} MiB",
+                      engines, escape(m.path))
     Console(soft_wrap=True).print(table)
 
 

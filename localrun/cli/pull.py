@@ -25,7 +25,9 @@ def pull(
 ) -> None:
     """Show the plan (repo, files, sizes, memory fit), then download with progress.
 
-    Refuses before downloading when the model does not fit.
+    Refuses before downloading when the model does not fit. What the name resolved to
+    (repo, commit, files) is remembered, so `localrun run` with the same name works
+    offline; `localrun list` shows it.
 
     Examples:
 
@@ -58,6 +60,10 @@ def pull(
         return
     path = _download(console, plan)
     console.print(f"[green]Ready[/]: {e(str(path))}")
+    # What the name resolved to is remembered: the same command runs it offline too.
+    name = model + (f":{quant}" if quant else "")
+    flag = f" --backend {plan.backend}" if backend else ""
+    console.print(f"[dim]Run it (offline too): localrun run {e(name)}{e(flag)}[/]")
     typer.echo(str(path))
 
 
