@@ -8,7 +8,7 @@ sessions' load and close calls run against fake engine modules with the engines'
 signatures. The GPU tests at the end run
 only where an NVIDIA GPU is detected (NVML / nvidia-smi, not torch) and the engine is
 installed, on models named by LOCALRUN_EXL2_MODEL / LOCALRUN_EXL3_MODEL
-(scripts/gpu_verify.sh sets them).
+(scripts/gpu_kit/run.py sets them).
 """
 
 from __future__ import annotations
@@ -1489,7 +1489,7 @@ def _gpu_model(backend: str, env: str) -> Path:
         pytest.skip(f"{backend} is not installed (pip install 'localrun[{backend}]')")
     path = os.environ.get(env)
     if not path or not Path(path).is_dir():
-        pytest.skip(f"set {env} to a model folder (scripts/gpu_verify.sh makes one)")
+        pytest.skip(f"set {env} to a model folder (scripts/gpu_kit/run.py makes one)")
     return Path(path)
 
 
