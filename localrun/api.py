@@ -29,7 +29,16 @@ if TYPE_CHECKING:
 __all__ = ["Model", "Stream", "load", "make_sampling"]
 from localrun.stopping import StopMatcher
 from localrun.templates import normalize_messages
-from localrun.types import CancelToken, Chunk, Completion, Message, ModelInfo, Timings, Usage
+from localrun.types import (
+    CancelToken,
+    Chunk,
+    Completion,
+    Message,
+    ModelInfo,
+    Sampling,
+    Timings,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from localrun.batch import BatchInput
@@ -181,6 +190,13 @@ class Model:
         return run_batch(self, items, max_concurrency=max_concurrency, cancel=cancel,
                          sampling=sampling)
 
+    @property
+    def defaults(self) -> ResolvedSampling:
+        """The sampling a call that sets no option runs with: the model's own defaults
+        (GGUF ``general.sampling.*``, generation_config.json), else its model card's
+        (catalog.json), else localrun's neutral ones. A call's own options override each."""
+        return self._resolve(Sampling())
+
     def count_tokens(self, text: str) -> int:
         """Tokens of raw text for this model's tokenizer."""
         with self._hold():
@@ -210,6 +226,12 @@ class Model:
             raise ModelClosedError()
         return self._session
 
+    def _resolve(self, request: Sampling) -> ResolvedSampling:
+        """The one place a request meets the defaults: the caller's values, then the
+        model's own, then what localrun knows about the model, then the neutral ones
+        (chat, stream, complete and batch alike)."""
+        return resolve(request, self._defaults)
+
     def _hold(self) -> _Held:
         if self._owner == threading.get_ident():
             raise ModelBusyError()
@@ -219,13 +241,13 @@ class Model:
         self,
         messages: list[Message] | None,
         text: str | None,
-        request: Any,
+        request: Sampling,
         cancel: CancelToken,
     ) -> Iterator[Chunk]:
         with self._hold():
             session = self._live()
             t0 = time.perf_counter()
-            sampling = resolve(request, self._defaults)
+            sampling = self._resolve(request)
             prompt = session.encode_chat(messages) if messages is not None else \
                 session.encode_text(text or "")
             n_prompt = len(prompt.tokens)
@@ -337,8 +359,11 @@ def load(
     is the embedded default model. ``backend="auto"`` picks the engine for this host
     and the model's format; naming one forces it (after the compatibility check).
     ``context`` is the context window in tokens (default: the model's trained
-    context, capped at 8192). ``allow_unoptimized=True`` lets an engine load a format
-    it runs but has no optimized kernels for.
+    context, capped at 8192, on every engine). ``device`` is where it runs (``"cpu"``,
+    ``"cuda:1"``, ``"GPU.1"``, ``"NPU"``, ...; default: the device the plan chose for this
+    host, as ``localrun plan`` shows it). ``allow_unoptimized=True`` lets an engine load
+    a format it runs but has no optimized kernels for. Other keywords are engine options
+    (``localrun.backends.engine_options(backend)`` lists them; others are refused).
 
     A name that is not on disk (``"qwen2.5:0.5b"``, ``"org/repo:Q4_K_M"``) is planned
     for this machine and downloaded into the Hugging Face cache first: ``on_plan``
@@ -361,7 +386,8 @@ def load(
             path=target.path,
             format=target.format,
             context=context,
-            device=device,
+            # the caller's device, else the one the plan chose for this host
+            device=device or target.device,
             threads=threads,
             options=engine_options,
         )

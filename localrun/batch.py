@@ -26,7 +26,7 @@ from localrun.errors import (
     ModelBusyError,
     ModelClosedError,
 )
-from localrun.sampling import ResolvedSampling, make_sampling, resolve
+from localrun.sampling import ResolvedSampling, make_sampling
 from localrun.stopping import StopMatcher
 from localrun.templates import normalize_messages
 from localrun.types import CancelToken, Completion, Message, Sampling, Timings, Usage
@@ -185,8 +185,8 @@ class _Seq:
     done: bool = False
 
 
-def _encode(session: Session, job: _Job) -> _Seq:
-    sampling = resolve(job.request, session.sampling_defaults)
+def _encode(model: Model, session: Session, job: _Job) -> _Seq:
+    sampling = model._resolve(job.request)
     prompt = (session.encode_chat(job.messages) if job.messages is not None
               else session.encode_text(job.text or ""))
     ctx = session.info.context_length
@@ -219,7 +219,7 @@ def _batched(
         seqs: list[_Seq] = []
         for job in jobs:
             try:
-                seqs.append(_encode(session, job))
+                seqs.append(_encode(model, session, job))
             except LocalrunError as e:
                 yield job.index, e
         if not seqs:

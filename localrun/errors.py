@@ -224,8 +224,17 @@ class ModelTooLargeError(LocalrunError, MemoryError):
 class ModelGatedError(LocalrunError, PermissionError):
     """The Hub repo is gated and no (authorized) token was sent."""
 
-    def __init__(self, repo: str):
+    def __init__(self, repo: str, *, token_sent: bool = False):
         self.repo = repo
+        self.token_sent = token_sent
+        if token_sent:  # the Hub's 403: a valid token whose account was not granted access
+            super().__init__(
+                f"{repo} is a gated repo and the Hub refused your token (403): its account "
+                "has not been granted access",
+                hint=f"request access at https://huggingface.co/{repo} with the account of "
+                "HF_TOKEN (or `hf auth login` as the account that has it)",
+            )
+            return
         super().__init__(
             f"{repo} is a gated repo: the Hub refused the download without an authorized token",
             hint=f"accept its licence at https://huggingface.co/{repo}, then set HF_TOKEN "
@@ -300,6 +309,9 @@ class ChecksumError(ModelFileError):
 class NoVariantError(LocalrunError, LookupError):
     """The model has no variant in the format the chosen engine runs."""
 
+    #: what the search passed over and why (stale catalog entries), for the plan to show
+    passed_over: tuple[str, ...] = ()
+
     def __init__(self, model: str, *, format: str, backend: str, tried: Sequence[str] = (),
                  hint: str | None = None):
         self.model = model
@@ -335,3 +347,44 @@ class InvalidOptionError(LocalrunError, ValueError):
             f"Invalid {backend} option {option}={value!r} (allowed: {allowed})",
             hint=f"pass {option} as one of: {allowed}, or leave it out for the default",
         )
+
+
+class UnknownOptionError(InvalidOptionError):
+    """An engine option name the backend does not take (a misspelling must not pass)."""
+
+    def __init__(self, backend: str, option: str, value: object, valid: Sequence[str],
+                 suggestion: str | None = None):
+        InvalidOptionError.__init__(self, backend, option, value, ", ".join(valid) or "none")
+        self.valid = list(valid)
+        near = f" (did you mean {suggestion}?)" if suggestion else ""
+        LocalrunError.__init__(
+            self, f"{backend} has no engine option {option!r}{near}",
+            hint=(f"its options are: {', '.join(valid)}" if valid else
+                  f"{backend} takes no engine options: leave {option}= out"))
+
+
+class HubUnavailableError(LocalrunError, ConnectionError):
+    """The Hub (or its file storage) failed for a reason that is not the model's: 5xx,
+    429, a connection that kept dropping; raised after localrun's retries."""
+
+    def __init__(self, what: str, *, reason: str, status: int | None = None,
+                 retry_after: float | None = None, hint: str | None = None):
+        self.what = what
+        self.status = status
+        self.retry_after = retry_after
+        wait = f"wait {retry_after:.0f} s, then " if retry_after else "retry later: "
+        super().__init__(f"The Hub failed {what}: {reason}", hint=hint or (
+            f"{wait}run the same command again (a download continues where it stopped); "
+            "Hub status: https://status.huggingface.co"))
+
+
+class HubAuthError(LocalrunError, PermissionError):
+    """The Hub refused the token itself (401 invalid credentials) or forbade the request
+    (403) for a reason other than a gated repo."""
+
+    def __init__(self, what: str, *, status: int, reason: str):
+        self.what = what
+        self.status = status
+        super().__init__(f"The Hub refused {what} ({status}): {reason}", hint=(
+            "check HF_TOKEN (or `hf auth login`) at https://huggingface.co/settings/tokens; "
+            "unset HF_TOKEN to fetch public models anonymously"))

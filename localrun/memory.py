@@ -20,6 +20,22 @@ OVERHEAD_FRACTION = 0.05
 KV_BYTES = 2
 #: Contexts are offered in multiples of this many tokens.
 CONTEXT_STEP = 256
+#: Context a model gets when the caller names none: its trained context, capped here so
+#: a 32k- or 128k-context model does not reserve its whole KV cache by default (and a
+#: long prompt overflows the same way on every engine).
+DEFAULT_CONTEXT_CAP = 8192
+
+
+def context_window(requested: int | None, trained: int | None) -> int:
+    """The context window every backend loads a model with (the one rule).
+
+    The caller's context, capped at the trained context; without one, the trained
+    context capped at :data:`DEFAULT_CONTEXT_CAP` (the cap itself when the model does not
+    say what it was trained for).
+    """
+    if requested is not None:
+        return min(requested, trained) if trained else requested
+    return min(trained, DEFAULT_CONTEXT_CAP) if trained else DEFAULT_CONTEXT_CAP
 
 
 @dataclass(frozen=True)
@@ -99,6 +115,58 @@ def max_context(weights_bytes: int, shape: ModelShape | None, budget_bytes: int,
     if tokens >= cap:
         return cap
     return int(tokens // CONTEXT_STEP * CONTEXT_STEP)
+
+
+@dataclass(frozen=True)
+class Offload:
+    """How much of a model goes on the GPU when it does not all fit (llama.cpp layers).
+
+    ``total`` counts the repeating layers plus the output layer, as llama.cpp's
+    ``n_gpu_layers`` does (``n_layer + 1`` offloads everything).
+    """
+
+    layers: int
+    total: int
+    needed_bytes: int  # weights + KV cache + overhead, all of it on the GPU
+    free_bytes: int
+
+    @property
+    def full(self) -> bool:
+        return self.layers >= self.total
+
+    def describe(self, device: str) -> str:
+        if self.full:
+            return f"all {self.total} layers on {device}"
+        if self.layers == 0:
+            return (f"the free VRAM of {device} ({_gib(self.free_bytes)}) holds no layer: "
+                    "it runs on the CPU")
+        return (f"the model needs {_gib(self.needed_bytes)} with its KV cache, {device} has "
+                f"{_gib(self.free_bytes)} free: {self.layers} of {self.total} layers go on "
+                f"the GPU, the rest run on the CPU (partial offload)")
+
+
+def gpu_share(weights_bytes: int, kv_cache_bytes: int, free_vram: int) -> float:
+    """Share (0 to 1) of a model's layers that fit in ``free_vram`` bytes.
+
+    The overhead (compute buffers) comes off first; each layer then costs its share of
+    the weights and of the KV cache (llama.cpp keeps an offloaded layer's KV on the GPU).
+    """
+    needed = weights_bytes + kv_cache_bytes + overhead_bytes(weights_bytes)
+    if needed <= free_vram:
+        return 1.0
+    room = free_vram - overhead_bytes(weights_bytes)
+    return max(0.0, room / (weights_bytes + kv_cache_bytes))
+
+
+def gpu_offload(weights_bytes: int, n_layers: int, kv_cache_bytes: int,
+                free_vram: int) -> Offload:
+    """Layers of a model that fit in ``free_vram`` bytes (llama.cpp's partial offload);
+    the output layer counts as one more, as in ``n_gpu_layers``."""
+    total = n_layers + 1
+    needed = weights_bytes + kv_cache_bytes + overhead_bytes(weights_bytes)
+    share = gpu_share(weights_bytes, kv_cache_bytes, free_vram)
+    layers = total if share >= 1.0 else min(total - 1, int(share * total))
+    return Offload(layers, total, needed, free_vram)
 
 
 def available_ram_bytes() -> int:

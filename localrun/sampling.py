@@ -4,7 +4,9 @@ Engines ship defaults that are not neutral (llama.cpp: min_p 0.05, top_k 40;
 ExLlamaV2: repetition 1.025). localrun never lets them leak: every backend receives a
 fully resolved :class:`ResolvedSampling` and passes every field explicitly.
 Precedence: the caller's value, then the model's own generation defaults
-(generation_config.json or GGUF ``general.sampling.*``), then :data:`FALLBACK`.
+(generation_config.json or GGUF ``general.sampling.*``), then what localrun's catalog
+knows about the model, then :data:`FALLBACK`. ``Model._resolve`` is where a request
+meets those defaults, for chat, stream, complete and batch alike.
 """
 
 from __future__ import annotations

@@ -19,10 +19,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from localrun.backends import BACKENDS, canonical_backend
+from localrun.backends import BACKENDS, build_devices, canonical_backend
 from localrun.errors import FormatMismatchError, NoSuitableEngineError
 from localrun.formats import compat
 from localrun.hardware import GiB, GPUInfo, HardwareProfile
+from localrun.memory import ModelShape, Offload, context_window, gpu_offload, kv_cache_bytes
 
 HostKind = Literal["apple", "datacenter", "nvidia-multi", "nvidia", "amd", "intel", "cpu"]
 DeviceKind = Literal["metal", "cuda", "cuda-multi", "rocm", "intel-best", "onnx-best", "cpu"]
@@ -141,6 +142,7 @@ class PlanRequest:
     quantization: str | None = None
     architecture: str | None = None
     weights_bytes: int | None = None  # size of the smallest variant, when known
+    shape: ModelShape | None = None  # layers and KV heads, when known (a local GGUF)
     prefer: Preference = "auto"
     allow_unoptimized: bool = False
 
@@ -358,6 +360,49 @@ def _fit_onnx(p: HardwareProfile, c: Candidate, req: PlanRequest) -> Fit:
     return "cpu", "with the CPU execution provider", []
 
 
+def _installed_build(backend: str, device: str, installed: Mapping[str, str]
+                     ) -> tuple[str, str, list[str]]:
+    """The device again, or the CPU when the installed build cannot use it.
+
+    ONNX Runtime GenAI's CUDA and DirectML builds are separate distributions: with the
+    plain one installed (its version has no "+cuda" label, see engine_version) the plan
+    says CPU and what to install, instead of a device the engine would refuse.
+    """
+    build = next((b for b in BACKENDS[backend].builds if b.device == device.split(":")[0]),
+                 None)
+    version = installed.get(backend)
+    if build is None or version in (None, "assumed") or \
+            build.device in build_devices(str(version)):
+        return device, "", []
+    return "cpu", "with the CPU execution provider (the installed build)", [
+        f"{BACKENDS[backend].title} here is the CPU-only {BACKENDS[backend].dists[0]}: the "
+        f"{build.device} execution provider needs {build.dist} (pip install "
+        f"'localrun[{build.extra}]')"]
+
+
+def _extra(backend: str, device: str) -> str:
+    """The pip extra that installs ``backend`` for ``device`` (a GPU build where one exists)."""
+    spec = BACKENDS[backend]
+    kind = device.split(":")[0]
+    return next((b.extra for b in spec.builds if b.device == kind), spec.extra)
+
+
+def _llama_offload(p: HardwareProfile, device: str, req: PlanRequest) -> Offload | None:
+    """How much of a local GGUF llama.cpp can put in the free VRAM (None: unknown)."""
+    kind, _, index = device.partition(":")
+    vendor = {"cuda": "nvidia", "rocm": "amd"}.get(kind)
+    if vendor is None or req.weights_bytes is None or req.shape is None:
+        return None
+    wanted = {int(i) for i in index.split(",") if i.isdigit()}
+    gpus = [g for g in p.gpus if g.vendor == vendor and (not wanted or g.index in wanted)]
+    free = [g.memory_free or g.memory_total for g in gpus]
+    if not gpus or not all(free):
+        return None
+    shape = req.shape
+    kv = kv_cache_bytes(shape, context_window(None, shape.trained_context))
+    return gpu_offload(req.weights_bytes, shape.n_layers, kv, sum(f for f in free if f))
+
+
 DEVICE_FITS: dict[DeviceKind, Callable[[HardwareProfile, Candidate, PlanRequest], Fit]] = {
     "cuda": _fit_cuda,
     "cuda-multi": _fit_cuda,
@@ -446,15 +491,16 @@ def _auto(profile: HardwareProfile, installed: Mapping[str, str], req: PlanReque
                 passed.append((c.backend, why))
             continue
         if c.backend not in installed:
-            spec = BACKENDS[c.backend]
             if c.backend not in seen:
-                passed.append((c.backend, f"not installed (pip install 'localrun[{spec.extra}]')"))
+                passed.append((c.backend, "not installed (pip install "
+                               f"'localrun[{_extra(c.backend, device)}]')"))
                 better.append((c, device))
             seen.add(c.backend)
             continue
         seen.add(c.backend)
-        return _plan(profile, req, kind, c, device, why, extra, reasons, passed, better,
-                     installed=True)
+        device, cpu_why, cpu_note = _installed_build(c.backend, device, installed)
+        return _plan(profile, req, kind, c, device, cpu_why or why, extra + cpu_note, reasons,
+                     passed, better, installed=True)
     if better:
         # Nothing installed fits: plan the best engine anyway and say what to install.
         c, device = better[0]
@@ -490,6 +536,11 @@ def _plan(profile: HardwareProfile, req: PlanRequest, kind: HostKind, c: Candida
           device: str, why: str, extra: list[str], reasons: list[str],
           passed: list[tuple[str, str]], better: list[tuple[Candidate, str]], *,
           installed: bool, support: compat.Support = "native") -> Plan:
+    extra = list(extra)
+    if c.backend == "llama.cpp":
+        offload = _llama_offload(profile, device, req)
+        if offload is not None and not offload.full:
+            extra.append(offload.describe(device))
     reasons = list(reasons)
     for b, w in passed:
         reasons.append(f"passed over {b}: {w}")
@@ -516,10 +567,10 @@ def _plan(profile: HardwareProfile, req: PlanRequest, kind: HostKind, c: Candida
         notes.append("MLX on Linux runs on the CPU only: slow, fine for tests")
     install_hint = None
     if not installed:
-        install_hint = f"pip install 'localrun[{BACKENDS[c.backend].extra}]' ({title})"
+        install_hint = f"pip install 'localrun[{_extra(c.backend, device)}]' ({title})"
     elif better:
         best = better[0][0]
-        install_hint = (f"pip install 'localrun[{BACKENDS[best.backend].extra}]' for "
+        install_hint = (f"pip install 'localrun[{_extra(best.backend, better[0][1])}]' for "
                         f"{BACKENDS[best.backend].title}, the better engine for this host")
     return Plan(
         backend=c.backend, format=fmt, quantization=quant, device=device, host=kind,
@@ -557,6 +608,9 @@ def _explicit(profile: HardwareProfile, installed: Mapping[str, str], req: PlanR
     hw_notes: list[str] = []
     if good:
         c, (device, why, extra) = good[0]
+        assert device is not None
+        device, cpu_why, cpu_note = _installed_build(name, device, installed)
+        why, extra = cpu_why or why, extra + cpu_note
     else:
         c, (_, bad, extra) = fits[0]
         device = {"cuda": "cuda:0", "cuda-multi": "cuda:0", "metal": "metal",

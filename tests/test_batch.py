@@ -119,6 +119,7 @@ class InTurnBatching(Session):
         self.sampling_defaults = inner.sampling_defaults
         self.fail_at = fail_at
         self.max_seen: int | None = -1
+        self.samplings: list[ResolvedSampling] = []  # what each call was resolved to
 
     def encode_chat(self, messages: Sequence[Any]) -> Prompt:
         return self.inner.encode_chat(messages)
@@ -128,12 +129,14 @@ class InTurnBatching(Session):
 
     def generate(self, prompt: Prompt, sampling: ResolvedSampling, cancel: CancelToken,
                  stats: GenerationStats) -> Iterator[str]:
+        self.samplings.append(sampling)
         return self.inner.generate(prompt, sampling, cancel, stats)
 
     def generate_batch(self, prompts: Sequence[Prompt], samplings: Sequence[ResolvedSampling],
                        cancels: Sequence[CancelToken], stats: Sequence[GenerationStats],
                        max_concurrency: int | None) -> Iterator[tuple[int, str | None]]:
         self.max_seen = max_concurrency
+        self.samplings.extend(samplings)
         for k, prompt in enumerate(prompts):
             if k == self.fail_at:
                 raise RuntimeError("engine exploded")
@@ -188,6 +191,25 @@ def test_batched_path_engine_failure_is_per_item(batching_model: Any) -> None:
     assert isinstance(results[0], Completion) and results[0].usage.completion_tokens > 0
     assert isinstance(results[1], LocalrunError) and isinstance(results[2], LocalrunError)
     assert "engine exploded" in str(results[1])
+
+
+def test_batch_resolves_sampling_like_chat(batching_model: Any) -> None:
+    """The embedded SmolLM2 samples with the same defaults in a batch as in chat: its
+    catalog defaults (temperature 0.2, top_p 0.9) under any default of the session."""
+    from localrun.stores import DEFAULT_MODEL_SAMPLING
+
+    session = batching_model._session
+    batching_model.chat("Hi", max_tokens=1)
+    chat = session.samplings[-1]
+    session.samplings.clear()
+    batching_model.batch(["Hi", BatchItem("Hello", {"top_k": 5})], max_tokens=1,
+                         max_concurrency=2)
+    assert session.max_seen == 2 and len(session.samplings) == 2  # the engine-batch path
+    plain, overridden = session.samplings
+    assert plain == chat
+    assert (chat.temperature, chat.top_p) == (DEFAULT_MODEL_SAMPLING["temperature"],
+                                              DEFAULT_MODEL_SAMPLING["top_p"])
+    assert overridden.temperature == chat.temperature and overridden.top_k == 5
 
 
 def test_batch_from_threads_queues(llama_model: Any) -> None:

@@ -356,3 +356,68 @@ def test_damaged_copy_helper_really_damages(tmp_path: Path) -> None:
     dst2.mkdir()
     gone = _damaged_copy(src, dst2, "b.json", "missing")
     assert not (gone / "b.json").exists() and (gone / "a.bin").is_symlink()
+
+
+# -- the default context: one rule on every engine (issue 11, item 4) --------------------
+
+#: What the copies below claim as their trained context: far above the default cap.
+LONG_CONTEXT = 131072
+#: One fixture per backend (llama.cpp: the GGUF header; the others: their config files).
+LONG_CASES = [("llama.cpp", "gguf-q4_1"), ("mlx", "mlx-4bit"), ("openvino", "openvino-int4"),
+              ("onnx", "onnx-int4")]
+
+
+def _gguf_with_context(src: Path, dst: Path, tokens: int) -> Path:
+    """A copy of a GGUF whose ``<arch>.context_length`` (a uint32) says ``tokens``."""
+    import struct
+
+    from localrun.formats.gguf import read_gguf
+
+    arch = read_gguf(src).architecture
+    data = bytearray(src.read_bytes())
+    key = f"{arch}.context_length".encode()
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    assert struct.unpack_from("<I", data, at)[0] == 4  # value type: uint32
+    struct.pack_into("<I", data, at + 4, tokens)
+    out = dst / src.name
+    out.write_bytes(bytes(data))
+    assert read_gguf(out).context_length == tokens
+    return out
+
+
+def _folder_with_context(src: Path, dst: Path, fixture: str, tokens: int) -> Path:
+    """A copy of a model folder (symlinks) whose config claims ``tokens`` of context."""
+    folder = dst / src.name
+    folder.mkdir()
+    name = "genai_config.json" if fixture == "onnx-int4" else "config.json"
+    for f in src.iterdir():
+        if f.name != name:
+            (folder / f.name).symlink_to(f)
+    config = json.loads((src / name).read_text()) if (src / name).exists() else {}
+    if fixture == "onnx-int4":
+        config["model"]["context_length"] = tokens
+    else:  # the OpenVINO fixture has no config.json: the IR folder may carry one
+        config["max_position_embeddings"] = tokens
+    (folder / name).write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(("backend", "fixture"), LONG_CASES, ids=[b for b, _ in LONG_CASES])
+def test_long_trained_context_is_capped_by_default(backend: str, fixture: str,
+                                                   tmp_path: Path) -> None:
+    _skip_unless_installed(backend)
+    src = test_model(fixture)
+    path = _gguf_with_context(src, tmp_path, LONG_CONTEXT) if src.is_file() else \
+        _folder_with_context(src, tmp_path, fixture, LONG_CONTEXT)
+    session = get_backend(backend).load(LoadRequest(str(path), FORMATS[fixture]))
+    try:
+        assert session.info.trained_context_length == LONG_CONTEXT
+        assert session.info.context_length == 8192  # localrun.memory.DEFAULT_CONTEXT_CAP
+    finally:
+        session.close()
+    # a requested context is the caller's, capped at the trained one
+    session = get_backend(backend).load(LoadRequest(str(path), FORMATS[fixture], context=512))
+    try:
+        assert session.info.context_length == 512
+    finally:
+        session.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -215,3 +215,157 @@ def test_gguf_on_mlx_is_refused_before_import(default_gguf: Path) -> None:
     with pytest.raises(FormatMismatchError) as info:
         localrun.load(str(default_gguf), backend="mlx")
     assert "--backend llama.cpp" in (info.value.hint or "")
+
+
+# -- device, offload, flash attention and engine options (issue 11, item 6) --------------
+#
+# llama-cpp-python here is a CPU build: it accepts the GPU arguments and ignores them, so
+# the real Llama runs behind a recorder that checks every keyword against the real
+# signature (Llama(**kwargs) swallows unknown names: a misspelt one would pass silently).
+# What a GPU build then does with them is untested here.
+
+
+class LlamaRecorder:
+    """Stands in for llama_cpp.Llama: records the keywords, then builds the real one."""
+
+    calls: ClassVar[list[dict[str, Any]]] = []
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        import inspect
+
+        import llama_cpp
+
+        real = llama_cpp.llama.Llama
+        params = inspect.signature(real.__init__).parameters
+        named = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        unknown = set(kwargs) - named
+        assert not unknown, f"Llama() would swallow {unknown}"
+        cls.calls.append(dict(kwargs))
+        return real(*args, **kwargs)
+
+
+@pytest.fixture()
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    import llama_cpp
+
+    from localrun.backends import llama_cpp as backend
+
+    LlamaRecorder.calls = []
+    monkeypatch.setattr(llama_cpp, "Llama", LlamaRecorder)
+    # no NVML on this host: say nothing about free VRAM unless a test does
+    monkeypatch.setattr(backend, "free_vram", lambda kind, indices: None, raising=False)
+    return LlamaRecorder.calls
+
+
+def test_cpu_device_offloads_nothing(default_gguf: Path, recorded: list[dict[str, Any]]
+                                     ) -> None:
+    with localrun.load(str(default_gguf), device="cpu", context=256) as m:
+        assert recorded[-1]["n_gpu_layers"] == 0
+        assert m.info.device == "cpu"
+
+
+def test_cuda_index_pins_one_gpu(default_gguf: Path, recorded: list[dict[str, Any]]) -> None:
+    import llama_cpp
+
+    with localrun.load(str(default_gguf), device="cuda:1", context=256) as m:
+        kw = recorded[-1]
+        assert kw["main_gpu"] == 1 and kw["split_mode"] == llama_cpp.LLAMA_SPLIT_MODE_NONE
+        assert kw["n_gpu_layers"] == -1
+        assert m.chat("Hi", max_tokens=2).usage.completion_tokens >= 1  # CPU build: runs
+        assert m.info.device == "cpu"  # this build cannot offload: it says where it runs
+
+
+def test_several_gpus_split_layers_by_free_vram(default_gguf: Path,
+                                                recorded: list[dict[str, Any]],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import llama_cpp
+
+    from localrun.backends import llama_cpp as backend
+
+    monkeypatch.setattr(backend, "free_vram", lambda kind, indices: [6 * 2**30, 2 * 2**30])
+    with localrun.load(str(default_gguf), device="cuda:2,0", context=256):
+        kw = recorded[-1]
+        assert kw["split_mode"] == llama_cpp.LLAMA_SPLIT_MODE_LAYER
+        assert kw["tensor_split"] == [6 * 2**30, 0.0, 2 * 2**30]  # GPU 1 left out
+        assert "main_gpu" not in kw and kw["n_gpu_layers"] == -1
+
+
+def test_model_larger_than_free_vram_is_partly_offloaded(
+        default_gguf: Path, recorded: list[dict[str, Any]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from localrun.backends import llama_cpp as backend
+    from localrun.memory import overhead_bytes
+
+    size = default_gguf.stat().st_size
+    layers = []
+    for free in (overhead_bytes(size) + size // 4, overhead_bytes(size) + size // 2):
+        monkeypatch.setattr(backend, "free_vram", lambda kind, indices, f=free: [f])
+        with localrun.load(str(default_gguf), device="cuda:0", context=256) as m:
+            n = recorded[-1]["n_gpu_layers"]
+            offload = m._session.placement.offload
+            assert offload is not None and offload.total == 31  # 30 blocks + output
+            assert 0 < n < 31 and n == offload.layers
+            assert f"{n}/31 layers" in m._session.placement.device
+        layers.append(n)
+    assert layers[0] < layers[1]  # more free VRAM, more layers
+    # everything fits: all layers; nothing fits: the CPU
+    monkeypatch.setattr(backend, "free_vram", lambda kind, indices: [8 * 2**30])
+    with localrun.load(str(default_gguf), device="cuda:0", context=256):
+        assert recorded[-1]["n_gpu_layers"] == -1
+    monkeypatch.setattr(backend, "free_vram", lambda kind, indices: [64 * 2**20])
+    with localrun.load(str(default_gguf), device="cuda:0", context=256) as m:
+        assert recorded[-1]["n_gpu_layers"] == 0
+        assert m._session.placement.device == "cpu"
+    # an explicit n_gpu_layers wins over the estimate
+    with localrun.load(str(default_gguf), device="cuda:0", context=256, n_gpu_layers=7):
+        assert recorded[-1]["n_gpu_layers"] == 7
+
+
+def test_flash_attention_follows_llama_server(default_gguf: Path,
+                                              recorded: list[dict[str, Any]]) -> None:
+    import llama_cpp
+
+    with localrun.load(str(default_gguf), context=256) as m:
+        # llama-cpp-python 0.3.x maps the bool to enabled/disabled (no "auto"): auto = on
+        assert recorded[-1]["flash_attn"] is True
+        ctx = m._session._llm.context_params
+        assert ctx.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        assert m.chat("What is 2+2?", **GREEDY).finish_reason == "stop"
+    with localrun.load(str(default_gguf), context=256, flash_attn=False) as m:
+        assert recorded[-1]["flash_attn"] is False
+        ctx = m._session._llm.context_params
+        assert ctx.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    # a quantized KV cache (it needs flash attention) loads and answers
+    with localrun.load(str(default_gguf), context=256, kv_cache="q8_0") as m:
+        assert recorded[-1]["type_k"] == recorded[-1]["type_v"] == llama_cpp.GGML_TYPE_Q8_0
+        assert m.chat("Hi", max_tokens=2).usage.completion_tokens >= 1
+    with pytest.raises(localrun.LocalrunError, match="needs flash attention"):
+        localrun.load(str(default_gguf), context=256, kv_cache="q4_0", flash_attn=False)
+
+
+def test_auto_flash_attention_on_a_tristate_binding(default_gguf: Path) -> None:
+    """A llama-cpp-python that takes flash_attn_type gets llama.cpp's own AUTO."""
+    from localrun.backends.llama_cpp import placement
+    from localrun.formats.gguf import read_gguf
+
+    gguf = read_gguf(default_gguf)
+    kw = placement(None, {}, gguf, 256, flash_attn_type=True).kwargs
+    assert kw["flash_attn_type"] == "LLAMA_FLASH_ATTN_TYPE_AUTO" and "flash_attn" not in kw
+    kw = placement(None, {"flash_attn": False}, gguf, 256, flash_attn_type=True).kwargs
+    assert kw["flash_attn_type"] == "LLAMA_FLASH_ATTN_TYPE_DISABLED"
+
+
+def test_unknown_engine_option_is_refused_with_the_valid_ones(
+        default_gguf: Path, recorded: list[dict[str, Any]]) -> None:
+    from localrun.errors import InvalidOptionError, UnknownOptionError
+
+    with pytest.raises(UnknownOptionError) as info:
+        localrun.load(str(default_gguf), context=256, flash_atn=True)
+    e = info.value
+    assert "flash_atn" in str(e) and "did you mean flash_attn" in str(e)
+    assert "n_gpu_layers" in (e.hint or "") and "kv_cache" in (e.hint or "")
+    assert not recorded  # refused before the engine saw it
+    with pytest.raises(InvalidOptionError, match="n_gpu_layers"):
+        localrun.load(str(default_gguf), context=256, n_gpu_layers="all")
+    with pytest.raises(localrun.LocalrunError, match="Unknown device 'tpu'"):
+        localrun.load(str(default_gguf), context=256, device="tpu")

@@ -134,7 +134,8 @@ def test_too_small_gpu_for_model_is_passed_over_with_numbers() -> None:
 
 
 def test_embed_preference_puts_onnx_first() -> None:
-    plan = select(profile("rtx4090"), ALL, PlanRequest(prefer="embed"))
+    # with the CUDA build of ONNX Runtime GenAI installed (engine_version labels it)
+    plan = select(profile("rtx4090"), {**ALL, "onnx": "0.18.0+cuda"}, PlanRequest(prefer="embed"))
     assert (plan.backend, plan.device) == ("onnx", "cuda")
     plan = select(profile("epyc-cpu"), ALL, PlanRequest(prefer="embed"))
     assert (plan.backend, plan.device) == ("onnx", "cpu")

@@ -14,6 +14,19 @@ BackendName = Literal["llama.cpp", "mlx", "exllamav2", "exllamav3", "openvino", 
 
 
 @dataclass(frozen=True)
+class Build:
+    """Another distribution of an engine's main package, built for a GPU API.
+
+    It installs the same module as the plain distribution (``import onnxruntime_genai``
+    either way), so it is recognised from package metadata, never by importing.
+    """
+
+    dist: str  # e.g. "onnxruntime-genai-cuda"
+    device: str  # the device kind it adds: "cuda", "dml"
+    extra: str  # the localrun extra that installs it
+
+
+@dataclass(frozen=True)
 class BackendSpec:
     name: BackendName
     title: str  # how users know the engine
@@ -21,6 +34,8 @@ class BackendSpec:
     dists: tuple[str, ...]  # distributions that must be installed
     extra: str  # the pip extra that installs it
     formats: tuple[str, ...]  # formats it runs with its optimized kernels
+    #: GPU builds that stand in for ``dists[0]`` (the plain one runs on the CPU only)
+    builds: tuple[Build, ...] = ()
 
 
 BACKENDS: dict[str, BackendSpec] = {
@@ -37,7 +52,9 @@ BACKENDS: dict[str, BackendSpec] = {
         BackendSpec("openvino", "OpenVINO GenAI", "localrun.backends.openvino_genai",
                     ("openvino-genai",), "openvino", ("openvino",)),
         BackendSpec("onnx", "ONNX Runtime GenAI", "localrun.backends.onnx_genai",
-                    ("onnxruntime-genai",), "onnx", ("onnx",)),
+                    ("onnxruntime-genai",), "onnx", ("onnx",),
+                    builds=(Build("onnxruntime-genai-cuda", "cuda", "onnx-cuda"),
+                            Build("onnxruntime-genai-directml", "dml", "onnx-directml"))),
     )
 }
 
@@ -68,16 +85,96 @@ def canonical_backend(name: str) -> str:
     )
 
 
+#: Engine options each backend takes through ``localrun.load(..., name=value)``:
+#: name -> (kind of value, what it does). Anything else is refused with this list, so a
+#: misspelt option never passes silently. Kinds: "int", "bool", "number", "numbers"
+#: (a list), "text", "switch" ("auto", True or False), or a tuple of the accepted words.
+#: ExLlamaV2/V3 keep theirs beside their parser (localrun.backends._exllama.OPTIONS).
+ENGINE_OPTIONS: dict[str, dict[str, tuple[str | tuple[str, ...], str]]] = {
+    "llama.cpp": {
+        "n_gpu_layers": ("int", "layers on the GPU, -1 = all (default: all that fit in "
+                                "the free VRAM, 0 with device='cpu')"),
+        "flash_attn": ("switch", "flash attention: 'auto' (default, as llama-server), True "
+                                 "or False"),
+        "kv_cache": (("f16", "q8_0", "q4_0"), "KV cache type (quantized needs flash "
+                                              "attention; default f16)"),
+        "tensor_split": ("numbers", "share of the model per GPU, e.g. [3, 1] (default: by "
+                                    "free VRAM)"),
+        "n_batch": ("int", "prompt tokens per decode call (default 512)"),
+        "n_ubatch": ("int", "physical batch size (default 512)"),
+        "offload_kqv": ("bool", "keep the KV cache on the GPU (default True)"),
+        "use_mmap": ("bool", "map the file instead of reading it (default True)"),
+        "use_mlock": ("bool", "lock the weights in RAM (default False)"),
+        "rope_freq_base": ("number", "RoPE base frequency (default: the model's)"),
+        "rope_freq_scale": ("number", "RoPE frequency scale (default: the model's)"),
+    },
+    "mlx": {},
+    "openvino": {
+        "KV_CACHE_PRECISION": ("text", "KV cache element type, e.g. u8, f16, f32 (CPU "
+                                       "default here: f32)"),
+        "INFERENCE_PRECISION_HINT": ("text", "compute precision, e.g. f32, bf16, f16"),
+        "PERFORMANCE_HINT": (("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT"),
+                             "what the plugin optimizes for"),
+        "NUM_STREAMS": ("text", "parallel inference streams (a number or AUTO)"),
+        "CACHE_DIR": ("text", "folder for compiled-model blobs (faster second load)"),
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE": ("int", "activation quantization group (0 = off)"),
+        "ATTENTION_BACKEND": (("PA", "SDPA"), "paged or SDPA attention"),
+        "MAX_PROMPT_LEN": ("int", "NPU: longest prompt (default: the context minus "
+                                  "MIN_RESPONSE_LEN)"),
+        "MIN_RESPONSE_LEN": ("int", "NPU: tokens kept for the reply (default: a quarter of "
+                                    "the context, at most 1024)"),
+        "GENERATE_HINT": (("FAST_COMPILE", "BEST_PERF"), "NPU: decode-stage compilation"),
+        "PREFILL_HINT": (("DYNAMIC", "STATIC"), "NPU: prefill-stage shapes"),
+    },
+    "onnx": {},
+}
+
+
+def engine_options(name: str) -> dict[str, str]:
+    """{option: what it does} for a backend: the list its errors show."""
+    key = canonical_backend(name)
+    if key in ENGINE_OPTIONS:
+        return {k: why for k, (_, why) in ENGINE_OPTIONS[key].items()}
+    from localrun.backends._exllama import OPTIONS  # pure code: imports no engine
+
+    return dict(OPTIONS[key])
+
+
+def installed_build(name: str) -> Build | None:
+    """The GPU build installed in place of the engine's plain distribution, if any."""
+    for build in BACKENDS[canonical_backend(name)].builds:
+        try:
+            metadata.version(build.dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return build
+    return None
+
+
 def engine_version(name: str) -> str | None:
-    """The installed version of the engine's main distribution, read from metadata only."""
+    """The installed version of the engine's main distribution, read from metadata only.
+
+    A GPU build stands in for the plain distribution and is named as a local version
+    label, as torch names its builds: ``0.8.0+cuda`` for onnxruntime-genai-cuda 0.8.0.
+    """
     spec = BACKENDS[canonical_backend(name)]
     versions = []
-    for dist in spec.dists:
+    build = installed_build(spec.name)
+    for i, dist in enumerate(spec.dists):
+        if i == 0 and build is not None:
+            versions.append(f"{metadata.version(build.dist)}+{build.device}")
+            continue
         try:
             versions.append(metadata.version(dist))
         except metadata.PackageNotFoundError:
             return None
     return versions[0] if versions else None
+
+
+def build_devices(version: str) -> tuple[str, ...]:
+    """Device kinds an engine version string (from :func:`engine_version`) adds to the CPU."""
+    _, _, label = version.partition("+")
+    return (label,) if label else ()
 
 
 def is_installed(name: str) -> bool:

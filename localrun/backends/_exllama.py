@@ -59,7 +59,7 @@ from localrun.errors import (
     ModelTooLargeError,
 )
 from localrun.hardware import GPUInfo, HardwareProfile
-from localrun.memory import CONTEXT_STEP, ModelShape, overhead_bytes
+from localrun.memory import CONTEXT_STEP, DEFAULT_CONTEXT_CAP, ModelShape, overhead_bytes
 from localrun.sampling import ResolvedSampling
 from localrun.types import CancelToken, FinishReason
 
@@ -69,8 +69,6 @@ KVCache = Literal["fp16", "q8", "q6", "q4"]
 GiB = 1024**3
 MiB = 1024**2
 
-#: Context used when the caller gives none: the trained context, capped (as llama.cpp's).
-DEFAULT_CONTEXT_CAP = 8192
 #: Both engines allocate the KV cache in pages of this many tokens, and assert that the
 #: cache size is a multiple of it (exllamav2 generator/dynamic.py PAGED_PAGE_SIZE,
 #: exllamav3 constants.py PAGE_SIZE).
@@ -431,14 +429,22 @@ class SplitPlan:
 
 
 _DEVICE = re.compile(r"^(?:cuda|gpu)(?::(\d+))?$|^(\d+)$")
+#: The plan's form for a split over GPUs (selection: "cuda:0,1").
+_DEVICES = re.compile(r"^(?:cuda|gpu):(\d+(?:,\d+)+)$")
 
 
 def parse_device(engine: str, device: str | None, n_gpus: int) -> int | None:
     """``cuda:N`` / ``gpu:N`` / ``N`` -> N; ``cuda`` / ``gpu`` / None -> None (all GPUs)."""
     if device is None:
         return None
-    m = _DEVICE.match(device.strip().lower())
     title = ENGINE_TITLES.get(engine, engine)
+    many = _DEVICES.match(device.strip().lower())
+    if many:  # the plan names every GPU it found usable: split over them all
+        if sorted({int(i) for i in many.group(1).split(",")}) == list(range(n_gpus)):
+            return None
+        raise InvalidOptionError(title, "device", device,
+                                 "cuda (all GPUs) or cuda:N; leave GPUs out with gpu_split")
+    m = _DEVICE.match(device.strip().lower())
     if not m:
         raise InvalidOptionError(title, "device", device, "cuda, cuda:N (GPUs only)")
     index = m.group(1) or m.group(2)

@@ -95,13 +95,6 @@ def trained_context(config: Mapping[str, Any]) -> int | None:
     return None
 
 
-def context_length(requested: int | None, trained: int | None, fallback: int = 8192) -> int:
-    """The context window: the caller's, capped at what the model was trained for."""
-    if requested is None:
-        return trained or fallback
-    return min(requested, trained) if trained else requested
-
-
 def architecture(config: Mapping[str, Any]) -> str | None:
     archs = config.get("architectures")
     if isinstance(archs, list) and archs and isinstance(archs[0], str):

@@ -44,10 +44,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from localrun.backends import engine_version
-from localrun.backends.base import GenerationStats, LoadRequest, Prompt, Session
+from localrun.backends.base import (
+    GenerationStats,
+    LoadRequest,
+    Prompt,
+    Session,
+    check_options,
+)
 from localrun.backends.hf_config import (
     architecture,
-    context_length,
     eos_ids,
     read_json,
     require_files,
@@ -55,6 +60,7 @@ from localrun.backends.hf_config import (
     trained_context,
 )
 from localrun.errors import EngineNotInstalledError, LocalrunError, ModelFileError
+from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
 from localrun.types import CancelToken, FinishReason, Message, ModelInfo
 
@@ -158,9 +164,27 @@ def _check_files(folder: Path) -> None:
         read_safetensors_header(folder / w)
 
 
+#: Where mlx runs here: Metal on a Mac, the CPU elsewhere (mlx[cpu] on Linux).
+NATIVE_DEVICE = "metal" if sys.platform == "darwin" else "cpu"
+#: Device words meaning that native device.
+DEVICE_WORDS: dict[str, tuple[str, ...]] = {"metal": ("metal", "gpu", "mps"), "cpu": ("cpu",)}
+
+
+def _device(requested: str | None) -> str:
+    """The device mlx runs on; any other request is an error, not a silent CPU run."""
+    if requested is None or requested.strip().lower() in DEVICE_WORDS[NATIVE_DEVICE]:
+        return NATIVE_DEVICE
+    raise LocalrunError(
+        f"MLX runs on {NATIVE_DEVICE} here, not on device {requested!r}",
+        hint=f"leave device unset (or device='{NATIVE_DEVICE}'), or pick another engine "
+        "with --backend")
+
+
 class MLXSession(Session):
     def __init__(self, request: LoadRequest) -> None:
         path = Path(request.path).expanduser()
+        check_options("mlx", request.options)
+        device = _device(request.device)
         # mlx_lm.load treats a path that does not exist as a Hub repo id and downloads
         # it: the checks come first.
         _check_files(path)
@@ -196,11 +220,11 @@ class MLXSession(Session):
             format="mlx",
             quantization=f"{bits}bit" if bits else None,
             path=str(path),
-            context_length=context_length(request.context, trained),
+            context_length=context_window(request.context, trained),
             trained_context_length=trained,
             architecture=architecture(config),
             name=str(config.get("_name_or_path") or path.name),
-            device="metal" if sys.platform == "darwin" else "cpu",
+            device=device,
         )
 
     # -- encoding ---------------------------------------------------------------------

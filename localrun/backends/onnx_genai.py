@@ -40,22 +40,35 @@ from pathlib import Path
 from typing import Any
 
 from localrun.backends import engine_version
-from localrun.backends.base import GenerationStats, LoadRequest, Prompt, Session
+from localrun.backends.base import (
+    GenerationStats,
+    LoadRequest,
+    Prompt,
+    Session,
+    check_options,
+)
 from localrun.backends.hf_config import (
-    context_length,
     eos_ids,
     read_json,
     require_files,
     sampling_defaults,
     token_ids,
 )
-from localrun.errors import EngineNotInstalledError, LocalrunError, ModelFileError
+from localrun.errors import (
+    EngineNotInstalledError,
+    EngineUnavailableError,
+    LocalrunError,
+    ModelFileError,
+)
+from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
 from localrun.types import CancelToken, Message, ModelInfo
 
-#: localrun device names -> ONNX Runtime GenAI execution providers
+#: localrun device names -> ONNX Runtime GenAI execution providers. ``cuda:1`` / ``dml:1``
+#: pick a GPU by index (the provider option ``device_id``).
 PROVIDERS: dict[str, str] = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "dml": "dml",
                              "directml": "dml"}
+_DEVICE = re.compile(r"^([a-z]+)(?::(\d+))?$")
 
 BUILD_HINT = ("re-download the model, or build one: python -m onnxruntime_genai.models.builder "
               "-i MODEL_DIR -o OUT -p int4 -e cpu")
@@ -79,6 +92,53 @@ def _check_files(folder: Path) -> dict[str, Any]:
     return cfg
 
 
+def parse_device(device: str) -> tuple[str, int | None]:
+    """``(provider, GPU index or None)`` for a device string."""
+    m = _DEVICE.match(device.strip().lower())
+    provider = PROVIDERS.get(m.group(1)) if m else None
+    if m is None or provider is None or (provider == "cpu" and m.group(2)):
+        raise LocalrunError(f"Unknown device {device!r} for ONNX Runtime GenAI",
+                            hint="use one of: cpu, cuda, cuda:N, dml, dml:N")
+    return provider, int(m.group(2)) if m.group(2) else None
+
+
+def config_device(genai_config: dict[str, Any]) -> str:
+    """Where genai_config.json runs the model: its first execution provider (and the
+    device_id it names), "cpu" when it names none."""
+    model = genai_config.get("model")
+    decoder = model.get("decoder") if isinstance(model, dict) else None
+    session = decoder.get("session_options") if isinstance(decoder, dict) else None
+    entries = session.get("provider_options") if isinstance(session, dict) else None
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and entry:
+            name, options = next(iter(entry.items()))
+            provider = PROVIDERS.get(str(name).lower(), str(name).lower())
+            index = options.get("device_id") if isinstance(options, dict) else None
+            return f"{provider}:{index}" if index not in (None, "") else provider
+    return "cpu"
+
+
+def require_build(provider: str, device: str) -> None:
+    """Refuse a GPU provider the installed distribution was not built with (the engine's
+    own error would say only that the provider failed), naming what to install."""
+    if provider == "cpu":
+        return
+    from localrun.backends import BACKENDS, installed_build
+
+    spec = BACKENDS["onnx"]
+    needed = next((b for b in spec.builds if b.device == provider), None)
+    have = installed_build("onnx")
+    if needed is None or (have is not None and have.device == provider):
+        return
+    current = have.dist if have is not None else spec.dists[0]
+    raise EngineUnavailableError(
+        "ONNX Runtime GenAI",
+        f"device {device} needs the {needed.dist} build, and {current} is installed"
+        + (" (CPU only)" if have is None else ""),
+        hint=f"pip uninstall -y {current} && pip install 'localrun[{needed.extra}]', "
+        "or load with device='cpu'")
+
+
 class OnnxGenAISession(Session):
     def __init__(self, request: LoadRequest) -> None:
         path = Path(request.path).expanduser()
@@ -92,21 +152,22 @@ class OnnxGenAISession(Session):
         except ImportError as e:  # installed per metadata but broken
             raise EngineNotInstalledError("ONNX Runtime GenAI", "onnx", reason=str(e)) from e
         self._og = og
+        check_options("onnx", request.options)
+        if request.device:
+            provider, index = parse_device(request.device)
+            device = provider + (f":{index}" if index is not None else "")
+        else:  # genai_config.json decides, and is left as it is
+            device = config_device(genai_cfg)
+            provider, index = device.split(":")[0], None
+        require_build(provider, device)
         try:
             og_config = og.Config(str(path))
             if request.device:
-                provider = PROVIDERS.get(request.device.split(":")[0].lower())
-                if provider is None:
-                    raise LocalrunError(f"Unknown device {request.device!r} for ONNX Runtime "
-                                        "GenAI", hint="use one of: " + ", ".join(PROVIDERS))
                 og_config.clear_providers()
                 if provider != "cpu":
                     og_config.append_provider(provider)
-            if request.options:
-                raise LocalrunError(
-                    "ONNX Runtime GenAI takes no engine options here (got "
-                    + ", ".join(request.options) + ")",
-                    hint="set session options in the model's genai_config.json")
+                    if index is not None:
+                        og_config.set_provider_option(provider, "device_id", str(index))
             self._model = og.Model(og_config)
             self._tok = og.Tokenizer(self._model)
             # a second tokenizer for chat prompts: the rendered template already holds
@@ -132,11 +193,11 @@ class OnnxGenAISession(Session):
             format="onnx",
             quantization=_quantization(path),
             path=str(path),
-            context_length=context_length(request.context, trained),
+            context_length=context_window(request.context, trained),
             trained_context_length=trained,
             architecture=str(model_cfg.get("type")) if model_cfg.get("type") else None,
             name=path.name,
-            device=request.device or "cpu",
+            device=device,
         )
 
     # -- encoding ---------------------------------------------------------------------

@@ -41,17 +41,28 @@ from pathlib import Path
 from typing import Any
 
 from localrun.backends import engine_version
-from localrun.backends.base import GenerationStats, LoadRequest, Prompt, Session
+from localrun.backends.base import (
+    GenerationStats,
+    LoadRequest,
+    Prompt,
+    Session,
+    check_options,
+)
 from localrun.backends.hf_config import (
     architecture,
-    context_length,
     eos_ids,
     read_json,
     require_files,
     sampling_defaults,
     trained_context,
 )
-from localrun.errors import EngineNotInstalledError, LocalrunError, ModelFileError
+from localrun.errors import (
+    ContextOverflowError,
+    EngineNotInstalledError,
+    LocalrunError,
+    ModelFileError,
+)
+from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
 from localrun.types import CancelToken, FinishReason, Message, ModelInfo
 
@@ -73,6 +84,63 @@ IR_WEIGHT_TYPES: tuple[tuple[str, str], ...] = (
 DETOKENIZE_WINDOW = 8
 
 _SIZE_MAX = 2**64 - 1  # GenerationConfig's "no limit" for top_k
+
+#: OpenVINO device names: CPU, GPU, GPU.N, NPU, and the AUTO/HETERO/MULTI meta devices.
+_OV_DEVICE = re.compile(r"^(CPU|GPU|GPU\.\d+|NPU|(AUTO|HETERO|MULTI)(:[A-Z0-9.,]+)?)$")
+DEVICE_HELP = "CPU, GPU, GPU.N, NPU or AUTO"
+
+#: The NPU compiles static shapes: prompts up to MAX_PROMPT_LEN tokens, and a KV cache of
+#: MAX_PROMPT_LEN + MIN_RESPONSE_LEN (the engine's defaults, 1024 + 128, make longer
+#: prompts fail). NPUW rounds both up to multiples of 64, and a prompt length above its
+#: prefill chunk (1024) up to a multiple of the chunk (intel_npu llm_compiled_model.cpp).
+NPU_ALIGN = 64
+NPU_CHUNK = 1024
+#: The reply's share of the context on the NPU: a quarter, at most this many tokens.
+NPU_MAX_RESPONSE = 1024
+
+
+def ov_device(device: str | None) -> str:
+    """The OpenVINO device for a device string (``gpu:1`` and ``GPU.1`` alike)."""
+    if device is None:
+        return "CPU"
+    d = device.strip().upper()
+    if d.startswith("GPU:") and d[4:].isdigit():
+        d = "GPU." + d[4:]
+    if not _OV_DEVICE.match(d):
+        raise LocalrunError(f"Unknown device {device!r} for OpenVINO GenAI",
+                            hint=f"use one of: {DEVICE_HELP}")
+    return d
+
+
+def _down(n: int, step: int) -> int:
+    return n // step * step
+
+
+def _up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def npu_lengths(context: int, options: dict[str, Any]) -> tuple[int, int]:
+    """(MAX_PROMPT_LEN, MIN_RESPONSE_LEN) that fill ``context`` exactly as NPUW builds it.
+
+    The reply keeps a quarter of the context (at most NPU_MAX_RESPONSE); the prompt gets
+    the rest, in whole prefill chunks above NPU_CHUNK so that NPUW does not round it up;
+    what rounding leaves goes back to the reply. Values given as engine options win
+    (NPUW's rounding still applies to them).
+    """
+    if "MAX_PROMPT_LEN" in options or "MIN_RESPONSE_LEN" in options:
+        prompt = int(options.get("MAX_PROMPT_LEN", 1024))
+        response = int(options.get("MIN_RESPONSE_LEN", 128))
+        prompt = _up(_up(prompt, NPU_ALIGN), NPU_CHUNK) if prompt > NPU_CHUNK \
+            else _up(prompt, NPU_ALIGN)
+        return prompt, _up(response, NPU_ALIGN)
+    response = max(NPU_ALIGN, _down(min(NPU_MAX_RESPONSE, context // 4), NPU_ALIGN))
+    rest = context - response
+    prompt = _down(rest, NPU_CHUNK) if rest > NPU_CHUNK else _down(rest, NPU_ALIGN)
+    if prompt < NPU_ALIGN:
+        raise LocalrunError(f"A context of {context} tokens is too small for the NPU",
+                            hint=f"load with context >= {2 * NPU_ALIGN}")
+    return prompt, _down(context - prompt, NPU_ALIGN)
 
 
 class _Done:
@@ -153,9 +221,23 @@ class OpenVINOSession(Session):
         except ImportError as e:  # installed per metadata but broken
             raise EngineNotInstalledError("OpenVINO GenAI", "openvino", reason=str(e)) from e
         self._og = ov_genai
-        device = request.device or "CPU"
+        device = ov_device(request.device)
+        options = check_options("openvino", request.options)
+        context = context_window(request.context, trained)
         props: dict[str, Any] = {}
-        if device.upper().startswith("CPU"):
+        self.max_prompt: int | None = None  # the NPU's prompt limit
+        npu_only = [k for k in ("MAX_PROMPT_LEN", "MIN_RESPONSE_LEN", "GENERATE_HINT",
+                                "PREFILL_HINT") if k in options]
+        if npu_only and device != "NPU":
+            raise LocalrunError(f"{', '.join(npu_only)} applies to the NPU only, not {device}",
+                                hint="load with device='NPU', or leave the option out")
+        if device == "NPU":
+            self.max_prompt, response = npu_lengths(context, options)
+            props.update(MAX_PROMPT_LEN=self.max_prompt, MIN_RESPONSE_LEN=response)
+            context = self.max_prompt + response
+            # no ContinuousBatchingPipeline on the NPU: batches run in turn
+            self.supports_batch = False
+        if device.startswith("CPU"):
             # The CPU plugin's default u8 KV cache quantizes with scales that depend on
             # memory left over from earlier requests: the same seed then gave a different
             # sample on a Model's first request than on later ones (seen with 2026.4).
@@ -164,7 +246,7 @@ class OpenVINOSession(Session):
             props["KV_CACHE_PRECISION"] = "f32"
         if request.threads:
             props["INFERENCE_NUM_THREADS"] = request.threads
-        props.update(request.options)
+        props.update(options)
         self.load_properties = dict(props)  # the batching pipeline gets the same settings
         try:
             self._pipe = ov_genai.LLMPipeline(str(path), device, **props)
@@ -186,7 +268,7 @@ class OpenVINOSession(Session):
             format="gguf" if gguf else "openvino",
             quantization=quant,
             path=str(path),
-            context_length=context_length(request.context, trained),
+            context_length=context,
             trained_context_length=trained,
             architecture=arch,
             name=str(name) if name else None,
@@ -245,6 +327,10 @@ class OpenVINOSession(Session):
         cancel: CancelToken,
         stats: GenerationStats,
     ) -> Iterator[str]:
+        if self.max_prompt is not None and len(prompt.tokens) > self.max_prompt:
+            # The NPU's prefill has a static shape: the engine would raise mid-call.
+            raise ContextOverflowError(len(prompt.tokens), self.max_prompt,
+                                       trained_context=self.info.trained_context_length)
         limit = min(sampling.max_tokens, self.info.context_length - len(prompt.tokens))
         if limit <= 0:
             stats.finish_reason = "length"
