@@ -160,3 +160,91 @@ def test_chat_interactive_session(clean_env: dict[str, str]) -> None:
 def test_gguf_on_wrong_engine_refused(clean_env: dict[str, str], model: str) -> None:
     err = _one_line_error(cli("run", model, "hi", "--backend", "mlx", env=clean_env))
     assert "--backend llama.cpp" in err
+
+
+# -- text that is not UTF-8 (issue 11, item 10) -----------------------------------------
+
+LATIN1 = b"caf\xe9\n"  # "cafe" with an accent, saved as Latin-1
+
+
+def _raw_cli(*args: bytes | str, stdin: bytes, env: dict[str, str]
+             ) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([*localrun_cmd(), *args], input=stdin, capture_output=True,
+                       timeout=120, env=env)
+    return subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode("utf-8", "replace"),
+                                       r.stderr.decode("utf-8", "replace"))
+
+
+#: How Python decodes a stream: surrogateescape (the C locales), or strictly (a UTF-8
+#: locale such as en_US.UTF-8, which this machine lacks: PYTHONIOENCODING does the same).
+DECODINGS = [{"LC_ALL": "C.UTF-8"}, {"LC_ALL": "C"},
+             {"LC_ALL": "C", "PYTHONIOENCODING": "utf-8:strict"}]
+
+
+@pytest.mark.parametrize("decoding", DECODINGS, ids=["c-utf8", "c", "strict"])
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_non_utf8_stdin_is_one_line_error(clean_env: dict[str, str], decoding: dict[str, str],
+                                          command: str) -> None:
+    env = {**clean_env, **decoding}
+    args = ["run", "smollm2:135m"] if command == "run" else ["chat"]
+    r = _raw_cli(*args, stdin=LATIN1, env=env)
+    err = _one_line_error(r)
+    assert r.returncode == 1 and "bug" not in err
+    assert "not UTF-8" in err and "0xE9" in err and "offset 3" in err
+    assert "iconv -f latin1 -t utf-8" in err
+
+
+def test_non_utf8_argument_is_one_line_error(clean_env: dict[str, str]) -> None:
+    # Python hands argv bytes that are not UTF-8 over as lone surrogates.
+    for args in (["run", "smollm2:135m", b"caf\xe9"],
+                 ["run", "smollm2:135m", "hi", "--system", b"caf\xe9"],
+                 ["chat", "--system", b"caf\xe9"]):
+        r = _raw_cli(*args, stdin=b"hi\n", env=clean_env)
+        err = _one_line_error(r)
+        assert "bug" not in err and "not UTF-8" in err and "0xE9" in err, err
+
+
+def test_stray_surrogate_error_is_not_called_a_bug(capsys: pytest.CaptureFixture[str]) -> None:
+    """Wherever else the user's bytes surface, the last resort names them, not a bug."""
+    from localrun.cli._errors import report
+
+    try:
+        "caf\udce9".encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = report(e)
+    err = capsys.readouterr().err
+    assert code == 1 and "bug" not in err and "not UTF-8" in err and "'\\udce9'" in err
+    assert len(err.strip().splitlines()) == 2
+    code = report(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"))
+    assert code == 70 and "bug" in capsys.readouterr().err  # other Unicode errors: ours
+
+
+@requires_llama
+@pytest.mark.parametrize("decoding", DECODINGS[1:], ids=["c", "strict"])
+def test_chat_interactive_non_utf8_line(clean_env: dict[str, str],
+                                        decoding: dict[str, str]) -> None:
+    """A line that is not UTF-8 is refused in one line; the chat goes on. (In C.UTF-8,
+    readline drops the bad byte itself: nothing reaches localrun to refuse.)"""
+    pid, fd = pty.fork()
+    if pid == 0:
+        cmd = localrun_cmd()
+        os.execve(cmd[0], [*cmd, "chat", "--temperature", "0", "--max-tokens", "20"],
+                  {**clean_env, **decoding})
+    try:
+        _read_until(fd, ">>> ")
+        os.write(fd, b"caf\xe9?\n")
+        out = _read_until(fd, ">>> ")
+        assert "error: That message is not UTF-8 text" in out and "Traceback" not in out
+        os.write(fd, b"What is 2+2?\n")
+        reply = _read_until(fd, ">>> ")
+        assert "4" in reply or "four" in reply.lower()
+        os.write(fd, b"\x04")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        try:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(fd)

@@ -211,3 +211,36 @@ def test_bad_flags_one_line(default_gguf: Path, tmp_path: Path, bad: list[str]) 
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: ") and "hint: " in r.stderr
     assert not out.exists()
+
+
+def test_lines_that_are_not_utf8_fail_alone(default_gguf: Path, tmp_path: Path) -> None:
+    """Issue 11, item 10: a Latin-1 byte or a lone surrogate escape fails its own line in
+    one clear sentence; the other lines run. (A UTF-8 BOM and a raw U+2028 inside a JSON
+    string are valid UTF-8 and run too.)"""
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b"\xef\xbb\xbf" + b'{"id": "ok", "prompt": "Say hello."}\n'
+                    b'{"id": "latin1", "prompt": "Caf\xe9?"}\n'
+                    b'{"id": "esc", "prompt": "Caf\\udce9?"}\n'
+                    + '{"id": "ls", "prompt": "Name a fruit.\u2028Just one."}\n'.encode())
+    out = tmp_path / "out.jsonl"
+    r = generate(default_gguf, inp, out, "-n", "4")
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and "bug" not in r.stderr
+    assert "done 2 · failed 2" in r.stderr
+    rows = {row.get("line"): row for row in results(out)}
+    assert rows[2]["id"] is None and "not UTF-8 text: byte 0xE9" in rows[2]["error"]
+    assert "iconv" in rows[2]["error"]
+    assert rows[3]["id"] is None and "'\\udce9'" in rows[3]["error"]
+    done = {row["id"] for row in results(out) if "error" not in row}
+    assert done == {"ok", "ls"}
+
+
+def test_text_input_line_not_utf8(default_gguf: Path, tmp_path: Path) -> None:
+    inp = tmp_path / "prompts.txt"
+    inp.write_bytes(b"Say hello.\nCaf\xe9?\n")
+    out = tmp_path / "out.jsonl"
+    r = generate(default_gguf, inp, out, "-n", "4")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "bug" not in r.stderr
+    rows = {row["id"]: row for row in results(out)}
+    assert_valid(rows[1])
+    assert rows[2]["line"] == 2 and "not UTF-8 text: byte 0xE9 at offset 3" in rows[2]["error"]

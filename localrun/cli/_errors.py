@@ -21,6 +21,14 @@ def report(exc: BaseException) -> int:
         if exc.hint:
             sys.stderr.write(f"  hint: {exc.hint}\n")
         return exc.exit_code
+    if isinstance(exc, UnicodeError):
+        from localrun.cli._input import CONVERT, unicode_error_message
+
+        line = unicode_error_message(exc)
+        if line is not None:  # the user's bytes, wherever they surfaced: not a bug
+            sys.stderr.write(f"error: {line}\n  hint: convert the text to UTF-8 first, "
+                             f"e.g. {CONVERT} FILE\n")
+            return 1
     sys.stderr.write(f"error: unexpected {type(exc).__name__}: {exc}\n"
                      f"  hint: this is a bug in localrun; run again with {DEBUG_ENV}=1 "
                      "to see the traceback and report it\n")

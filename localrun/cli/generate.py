@@ -76,6 +76,11 @@ def _parse_json_line(n: int, text: str, system: str | None) -> Record:
         return Record(n, None, error=f"not valid JSON ({e})")
     if not isinstance(obj, dict):
         return Record(n, None, error=f"expected a JSON object, got {type(obj).__name__}")
+    try:  # a "\udce9" escape is valid JSON but no Unicode text: no tokenizer takes it
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return Record(n, None, error=f"holds {e.object[e.start:e.end]!r}, which is not a "
+                      "Unicode character (a lone surrogate escape)")
     rid = obj.get("id", n)
     if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
         return Record(n, None, error=f"'id' must be a non-empty string or an integer, got {rid!r}")
@@ -113,21 +118,35 @@ def _parse_json_line(n: int, text: str, system: str | None) -> Record:
 
 def read_input(path: Path, fmt: InputFormat, system: str | None) -> list[Record]:
     """Every prompt line of the input, with its line number; blank lines are skipped."""
+    from localrun.cli._input import CONVERT, bad_byte_message
     from localrun.errors import LocalrunError
 
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise LocalrunError(f"No input file {path}",
                             hint="pass --input FILE (JSONL lines or one prompt per line)"
                             ) from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise LocalrunError(f"Cannot read input file {path}: {e}",
                             hint="the input must be a UTF-8 text or JSONL file") from None
-    lines = text.splitlines()
-    kind = _sniff(path, lines) if fmt == "auto" else fmt
+    # Split the bytes, then decode each line: a line that is not UTF-8 fails alone (the
+    # others run), and U+2028 inside a JSON string does not split a line.
+    lines: list[str | None] = []
+    bad: dict[int, str] = {}
+    for n, raw in enumerate(data.removeprefix(b"\xef\xbb\xbf").splitlines(), 1):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            lines.append(None)
+            bad[n] = bad_byte_message("the line", raw, e.start) \
+                + f"; convert the file to UTF-8 (e.g. {CONVERT})"
+    kind = _sniff(path, [ln for ln in lines if ln is not None]) if fmt == "auto" else fmt
     records = []
     for n, line in enumerate(lines, 1):
+        if line is None:
+            records.append(Record(n, None if kind == "jsonl" else n, error=bad[n]))
+            continue
         if not line.strip():
             continue
         if kind == "jsonl":
@@ -367,6 +386,10 @@ def generate(
                                  top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                  seed=seed, stop=stop)
     make_sampling(**sampling)  # validate flags before reading or loading anything
+    if system is not None:
+        from localrun.cli._input import check_text
+
+        check_text("--system", system, hint="pass UTF-8 text")
 
     records = read_input(input, input_format, system)  # type: ignore[arg-type]
     check_duplicates(records, input)

@@ -42,13 +42,19 @@ def run(
 
       localrun run ./model.gguf "Hi" --json
     """
+    from localrun.cli._input import CONVERT, check_text, read_stdin
     from localrun.errors import LocalrunError
 
+    convert = f"{CONVERT} FILE | localrun run {model}"
     if prompt is None:
         if sys.stdin.isatty():
             raise LocalrunError("No prompt given",
                                 hint=f"localrun run {model} \"your question\", or pipe it on stdin")
-        prompt = sys.stdin.read()
+        prompt = read_stdin(hint=f"convert it first: {convert}")
+    else:
+        check_text("The prompt", prompt, hint=f"pass UTF-8 text, or pipe it: {convert}")
+    if system is not None:
+        check_text("--system", system, hint="pass UTF-8 text")
     if not prompt.strip():
         raise LocalrunError("The prompt is empty", hint=f"localrun run {model} \"your question\"")
     sampling = o.sampling_kwargs(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
