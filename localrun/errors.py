@@ -388,3 +388,58 @@ class HubAuthError(LocalrunError, PermissionError):
         super().__init__(f"The Hub refused {what} ({status}): {reason}", hint=(
             "check HF_TOKEN (or `hf auth login`) at https://huggingface.co/settings/tokens; "
             "unset HF_TOKEN to fetch public models anonymously"))
+
+
+class StructuredOutputError(LocalrunError, ValueError):
+    """A structured-output or tool-calling request localrun cannot honour as asked."""
+
+
+class UnsupportedSchemaError(StructuredOutputError):
+    """A JSON Schema (or a tool's parameters) uses what constrained decoding cannot enforce.
+
+    Raised before any token is generated; never answered with unconstrained output.
+    """
+
+    def __init__(self, what: str, detail: str, *, backend: str | None = None):
+        self.what = what
+        self.detail = detail
+        self.backend = backend
+        where = f" on {backend}" if backend else ""
+        super().__init__(
+            f"Cannot enforce {what}{where}: {detail.strip().splitlines()[0][:300]}",
+            hint="drop or rewrite that part of the schema (supported keywords: "
+            "python -c 'import localrun.structured.grammar as g; help(g)'), "
+            "or ask without schema= and validate the reply yourself")
+
+
+class ConstrainedDecodingUnavailableError(StructuredOutputError):
+    """This engine (or its installed version) cannot constrain generation."""
+
+    def __init__(self, backend: str, reason: str, *, hint: str | None = None):
+        self.backend = backend
+        self.reason = reason
+        super().__init__(f"{backend} cannot constrain its output here: {reason}",
+                         hint=hint or "load the model with another engine (--backend), "
+                         "or ask without schema=/response_format=/tool_choice")
+
+
+class InvalidToolError(StructuredOutputError):
+    """A ``tools``/``tool_choice``/``response_format``/``schema`` argument is malformed."""
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message, hint=hint or "see help(localrun.Model.chat) for the shapes "
+                         "tools, tool_choice, response_format and schema take")
+
+
+class IncompleteOutputError(StructuredOutputError):
+    """The reply ended before its JSON (or tool call) was complete: ``max_tokens`` or a
+    stop string cut it. ``completion`` holds what was generated."""
+
+    def __init__(self, completion: object, reason: str, detail: str = ""):
+        self.completion = completion
+        self.reason = reason
+        msg = f"The reply ended ({reason}) before its JSON was complete"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg, hint="raise max_tokens (a JSON Schema with maxLength/maxItems "
+                         "bounds the reply), or drop stop strings that can occur inside it")

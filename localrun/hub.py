@@ -7,11 +7,15 @@ must not pull it in). Two steps, so a plan can be shown before any byte moves:
     plan.require_fit()           # ModelTooLargeError with the numbers, before downloading
     path = fetch(plan, progress=callback)   # the .gguf file or the model folder
 
-Downloads go into the standard HF cache (``HF_HOME``/``HF_HUB_CACHE``) through
-``hf_hub_download``; huggingface_hub resumes dropped connections within a download with
-Range requests. localrun adds the LFS sha256 check of every weight file it downloads
-(a mismatch is deleted and fetched once more), a disk-space check, and errors that say
-what to do. With ``HF_HUB_OFFLINE=1`` (or no network) plans are made from the cache,
+Downloads go into the standard HF cache (``HF_HOME``/``HF_HUB_CACHE``), from the commit
+the plan listed. Files on plain HTTP (the Hub's 302 to its CDN) are fetched by localrun
+into ``blobs/<etag>.localrun.incomplete`` and continued with Range requests after a
+dropped connection, an expired signed URL or a killed process; their LFS sha256 is
+checked before the blob takes its name, and huggingface_hub links it into the snapshot.
+Xet-backed files go through ``hf_hub_download`` (hf_xet), checked after. Both report
+progress through the same meter, and both are tried again on 5xx, 429 (Retry-After) and
+dropped connections. A disk-space check, and errors that say what to do.
+With ``HF_HUB_OFFLINE=1`` (or no network) plans are made from the cache,
 and what is missing is named: a name that was downloaded before (an alias, a base repo
 id) is planned from what that download resolved it to (:mod:`localrun.pulls`).
 
@@ -36,11 +40,20 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx2
 import huggingface_hub
-from huggingface_hub import HfApi, constants, hf_hub_download, scan_cache_dir
+from huggingface_hub import (
+    HfApi,
+    constants,
+    get_hf_file_metadata,
+    get_session,
+    hf_hub_download,
+    hf_hub_url,
+    hf_raise_for_status,
+    scan_cache_dir,
+)
 from huggingface_hub.errors import (
     CacheNotFound,
     GatedRepoError,
@@ -52,13 +65,22 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+# Public API (documented, and in the ``__all__`` of huggingface_hub.utils' lazy facade,
+# which mypy cannot follow).
+from huggingface_hub.utils import (  # type: ignore[attr-defined]
+    WeakFileLock,
+    build_hf_headers,
+)
+
 from localrun import memory, pulls
 from localrun.backends import BACKENDS, canonical_backend
 from localrun.catalog import CatalogEntry, Variant
 from localrun.errors import (
     ChecksumError,
     DiskFullError,
+    HubAuthError,
     HubNotFoundError,
+    HubUnavailableError,
     LocalrunError,
     ModelGatedError,
     ModelTooLargeError,
@@ -226,8 +248,10 @@ class FetchPlan:
 
 @dataclass(frozen=True)
 class DownloadProgress:
-    """Reported to fetch()'s callback as bytes arrive (``delta`` may be negative when a
-    server ignores a resume request and the file restarts)."""
+    """Reported to fetch()'s callback as bytes arrive. ``delta`` is negative when a file
+    starts over: a server that answers a resume request with the whole file, a Xet try
+    that failed, a checksum mismatch. ``file_done`` starts above 0 when an earlier
+    download of the file is continued."""
 
     file: str
     index: int  # 1-based, among the files being downloaded
@@ -334,16 +358,14 @@ def _is_network_error(exc: BaseException) -> bool:
 
 def _hub_listing(repo: str, revision: str | None) -> _Listing:
     api = _api()
-    try:
-        info = api.model_info(repo, revision=revision)
-        commit = info.sha
-        tree = list(api.list_repo_tree(repo, recursive=True, revision=commit or revision))
-    except GatedRepoError as e:
-        raise ModelGatedError(repo) from e
-    except RevisionNotFoundError as e:
-        raise HubNotFoundError(repo, revision=revision) from e
-    except RepositoryNotFoundError as e:
-        raise HubNotFoundError(repo) from e
+    what = f"to list {repo}" + (f"@{revision}" if revision else "")
+    info = _hub_call(lambda: api.model_info(repo, revision=revision), repo, what, revision)
+    commit = info.sha
+    # The tree of the commit the info named: a branch that moves on meanwhile cannot mix
+    # the files of two commits into one plan.
+    tree = _hub_call(lambda: list(api.list_repo_tree(repo, recursive=True,
+                                                     revision=commit or revision)),
+                     repo, what, revision, retry=False)
     files: dict[str, PlannedFile] = {}
     for f in tree:
         if isinstance(f, huggingface_hub.hf_api.RepoFile):
@@ -690,10 +712,10 @@ def _read_shape(cand: _Cand) -> ModelShape | None:
     try:
         if cand.format == "gguf" and cand.primary:
             if lst.snapshot is not None:
-                with open(lst.snapshot / cand.primary, "rb") as fh:
-                    return _shape_from_gguf_head(lambda n: fh.read(n))
+                return _shape_from_gguf_head(_file_reader(lst.snapshot / cand.primary))
             if lst.source == "hub":
-                return _shape_from_gguf_head(lambda n: _range_read(lst, cand.primary or "", n))
+                primary = cand.primary
+                return _shape_from_gguf_head(lambda at, n: _range_read(lst, primary, at, n))
             return None
         name = f"{cand.subfolder}/genai_config.json" if cand.subfolder else (
             "genai_config.json" if "genai_config.json" in lst.files else "config.json")
@@ -710,10 +732,12 @@ def _read_shape(cand: _Cand) -> ModelShape | None:
         return None
 
 
-def _shape_from_gguf_head(read: Callable[[int], bytes]) -> ModelShape | None:
+def _shape_from_gguf_head(read: Callable[[int, int], bytes]) -> ModelShape | None:
+    """The model's shape from the metadata at a GGUF file's head; ``read(start, n)`` gives
+    the ``n`` bytes from ``start`` (fewer at the end of the file)."""
     buf = b""
     for size in GGUF_HEADER_READS:
-        buf = read(size) if not buf else buf + read(size - len(buf))
+        buf += read(len(buf), size - len(buf))
         try:
             return memory.shape_from_gguf_metadata(memory.gguf_metadata_from_bytes(buf))
         except EOFError:
@@ -721,16 +745,42 @@ def _shape_from_gguf_head(read: Callable[[int], bytes]) -> ModelShape | None:
     return None
 
 
-def _range_read(lst: _Listing, path: str, n: int) -> bytes:
-    """The first ``n`` bytes of a repo file (one HTTP Range request)."""
-    from huggingface_hub.utils import _headers, _http
+def _file_reader(path: str | os.PathLike[str]) -> Callable[[int, int], bytes]:
+    def read(start: int, n: int) -> bytes:
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            return fh.read(n)
 
-    url = huggingface_hub.hf_hub_url(lst.repo, path, revision=lst.commit or lst.revision)
-    headers = _headers.build_hf_headers()
-    headers["Range"] = f"bytes=0-{n - 1}"
-    r = _http.get_session().get(url, headers=headers, follow_redirects=True)
-    _http.hf_raise_for_status(r)
-    return bytes(r.content[:n])
+    return read
+
+
+def _range_read(lst: _Listing, path: str, start: int, n: int) -> bytes:
+    """``n`` bytes of a repo file from ``start`` (one HTTP Range request; the Hub
+    redirects LFS files to its CDN, and the Authorization header stays behind: httpx drops
+    it on a redirect to another origin). A server that ignores the Range and answers 200
+    sends the whole file: the wanted bytes are cut from it, and reading stops there.
+    Public huggingface_hub API only: ``hf_hub_url``, ``build_hf_headers``, ``get_session``,
+    ``hf_raise_for_status``."""
+    url = hf_hub_url(lst.repo, path, revision=lst.commit or lst.revision)
+    headers = build_hf_headers()
+    headers["Range"] = f"bytes={start}-{start + n - 1}"
+    out = bytearray()
+    with get_session().stream("GET", url, headers=headers, follow_redirects=True,
+                              timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
+        if r.status_code == 416:  # start is past the end of the file
+            return b""
+        if r.status_code >= 400:
+            r.read()
+            hf_raise_for_status(r)
+        skip = start if r.status_code == 200 else 0
+        for chunk in r.iter_bytes():
+            if skip:
+                cut = min(skip, len(chunk))
+                chunk, skip = chunk[cut:], skip - cut
+            out += chunk
+            if len(out) >= n:
+                break
+    return bytes(out[:n])
 
 
 # --- planning -----------------------------------------------------------------------------------
@@ -1287,8 +1337,7 @@ def _plan_local(r: ModelRef, backend: str, fmt: str, quant: str | None, budget: 
     shape = None
     if found.format == "gguf":
         try:
-            with open(found.path, "rb") as fh:
-                shape = _shape_from_gguf_head(lambda n: fh.read(n))
+            shape = _shape_from_gguf_head(_file_reader(found.path))
         except OSError:
             shape = None
     ctx = context or min((shape.trained_context if shape else None) or 4096, 8192)
@@ -1305,13 +1354,159 @@ def _plan_local(r: ModelRef, backend: str, fmt: str, quant: str | None, budget: 
         reasons=(f"found in place ({source}): {found.path}",))
 
 
+# --- talking to the Hub: retries, and errors that say what to do --------------------------------
+
+#: HTTP statuses worth another try: the Hub or its file storage is busy or briefly down.
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+#: Tries per Hub request, and per file download without progress (a dropped connection,
+#: an expired signed URL, a 5xx or 429 each cost one; bytes that arrive reset the count).
+HUB_ATTEMPTS = 4
+#: The first wait between tries in seconds (doubling after each); Retry-After overrides it.
+RETRY_BACKOFF = 1.0
+#: The longest wait localrun sits out; a longer Retry-After is reported instead.
+MAX_RETRY_WAIT = 60.0
+
+_T = TypeVar("_T")
+
+
+def _status(e: BaseException) -> int | None:
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    return status if isinstance(status, int) else None
+
+
+def _retry_after(e: BaseException) -> float | None:
+    """The Retry-After seconds of an HTTP error response, if it has them."""
+    response = getattr(e, "response", None)
+    value = response.headers.get("Retry-After") if response is not None else None
+    return float(value) if isinstance(value, str) and value.strip().isdigit() else None
+
+
+def _token_set() -> bool:
+    return huggingface_hub.get_token() is not None
+
+
+def _typed(e: BaseException, repo: str, what: str, *, revision: str | None = None,
+           filename: str | None = None, tries: int = 1) -> LocalrunError:
+    """A huggingface_hub error as localrun's: one line, and what to do next."""
+    if isinstance(e, GatedRepoError):
+        return ModelGatedError(repo, token_sent=_status(e) == 403)
+    if isinstance(e, RevisionNotFoundError):
+        return HubNotFoundError(repo, revision=revision)
+    if isinstance(e, RemoteEntryNotFoundError):
+        return HubNotFoundError(repo, revision=revision, filename=filename)
+    if isinstance(e, RepositoryNotFoundError):
+        # The Hub answers 401 for a private repo and a missing one alike, and 404 to a
+        # token without access to it: say which of the two cases this is.
+        return HubNotFoundError(repo, hint=(
+            "the token in HF_TOKEN has no access to it, or it does not exist: check the name "
+            "at https://huggingface.co/models" if _token_set() else
+            "check the name at https://huggingface.co/models; for a private repo set HF_TOKEN"))
+    status = _status(e)
+    message = getattr(getattr(e, "response", None), "headers", {}).get("X-Error-Message")
+    if status in (401, 403):
+        return HubAuthError(what, status=status, reason=message or (
+            "invalid credentials" if status == 401 else "forbidden"))
+    if status is not None:
+        reason = f"HTTP {status}" + (f" ({message})" if message else "")
+        if status == 429:
+            reason = f"rate-limited (429){': ' + message if message else ''}"
+    elif isinstance(e, _Retry):
+        reason = str(e)
+    else:
+        reason = f"the connection kept failing ({type(e).__name__}: {str(e)[:120]})"
+    return HubUnavailableError(what, reason=f"{reason}, after {tries} "
+                               f"tr{'y' if tries == 1 else 'ies'}", status=status,
+                               retry_after=_retry_after(e))
+
+
+def _wait_before_retry(e: BaseException, attempt: int) -> bool:
+    """Sleep before try ``attempt + 1`` of something that failed with ``e``; False when
+    it should not be tried again (no tries left, or the Hub asks for a longer wait)."""
+    if attempt >= HUB_ATTEMPTS:
+        return False
+    delay = _retry_after(e)
+    if delay is None:
+        delay = RETRY_BACKOFF * 2 ** (attempt - 1)
+    if delay > MAX_RETRY_WAIT:
+        return False
+    time.sleep(delay)
+    return True
+
+
+def _hub_call(fn: Callable[[], _T], repo: str, what: str, revision: str | None = None, *,
+              retry: bool = True) -> _T:
+    """``fn()`` (one Hub API request) tried again on 429/5xx, honouring Retry-After;
+    errors typed. Network errors pass through: the planner then plans from the cache.
+    ``retry=False`` for huggingface_hub's paginated listings, which it retries itself
+    (``model_info`` it does not)."""
+    attempt = 1
+    while True:
+        try:
+            return fn()
+        except (RepositoryNotFoundError, RevisionNotFoundError, RemoteEntryNotFoundError) as e:
+            raise _typed(e, repo, what, revision=revision) from e
+        except HfHubHTTPError as e:
+            if retry and _status(e) in RETRY_STATUS and _wait_before_retry(e, attempt):
+                attempt += 1
+                continue
+            raise _typed(e, repo, what, revision=revision, tries=attempt) from e
+
+
 # --- downloading --------------------------------------------------------------------------------
 
-def _bar_class(report: Callable[[int, int | None], None]) -> type:
+#: Suffix of localrun's partial downloads, next to the blob they become in the HF cache.
+#: Kept across tries and processes (huggingface_hub >= 1.18 discards its own partial
+#: files), so that a download cut off by an expired URL or a killed process continues;
+#: ``*.incomplete`` is what ``hf cache`` lists (and ``hf cache prune`` removes) as partial.
+PARTIAL_SUFFIX = ".localrun.incomplete"
+
+
+class _Meter:
+    """Turns byte positions of each file into :class:`DownloadProgress` reports."""
+
+    def __init__(self, progress: ProgressCallback | None, todo: Sequence[PlannedFile]) -> None:
+        self.progress = progress
+        self.count = len(todo)
+        self.total = sum(f.size for f in todo)
+        self.done = 0
+
+    def file(self, f: PlannedFile, index: int) -> _FileMeter:
+        return _FileMeter(self, f, index)
+
+
+class _FileMeter:
+    def __init__(self, meter: _Meter, f: PlannedFile, index: int) -> None:
+        self.meter = meter
+        self.f = f
+        self.index = index
+        self.at_bytes = 0
+        self.file_total: int | None = f.size or None
+
+    def at(self, position: int, file_total: int | None = None) -> None:
+        """The file now holds ``position`` bytes (less than before after a restart)."""
+        if file_total is not None:
+            self.file_total = file_total
+        delta = position - self.at_bytes
+        if delta == 0:
+            return
+        self.at_bytes = position
+        m = self.meter
+        m.done += delta
+        if m.progress is not None:
+            m.progress(DownloadProgress(self.f.path, self.index, m.count, delta, position,
+                                        self.file_total, m.done, m.total))
+
+    def add(self, n: int, file_total: int | None = None) -> None:
+        self.at(self.at_bytes + n, file_total)
+
+
+def _bar_class(meter: _FileMeter) -> type:
     """A tqdm stand-in for huggingface_hub's ``tqdm_class`` that forwards byte counts.
 
-    It implements what ``http_get``/``xet_get`` call on a bar (the same surface as
-    huggingface_hub's own aggregated bar), and draws nothing: the caller renders.
+    It implements what ``xet_get`` (through ``XetDownloadProgressReporter``) and
+    ``http_get`` call on a bar, the surface of huggingface_hub's own aggregated bar
+    (``update_transfer`` makes the Xet reporter count reconstructed file bytes, the same
+    bytes the HTTP path counts), and draws nothing: the caller renders.
     """
 
     class _Bar:
@@ -1319,8 +1514,7 @@ def _bar_class(report: Callable[[int, int | None], None]) -> type:
             self.total = kwargs.get("total")
             self.n = int(kwargs.get("initial") or 0)
             self.format_dict: dict[str, Any] = {}
-            if self.n:
-                report(self.n, self.total)
+            meter.at(self.n, self.total)
 
         def __enter__(self) -> _Bar:
             return self
@@ -1331,10 +1525,10 @@ def _bar_class(report: Callable[[int, int | None], None]) -> type:
         def update(self, n: float | None = 1) -> None:
             d = int(n or 0)
             self.n += d
-            report(d, self.total)
+            meter.add(d, self.total)
 
         def update_transfer(self, n: float | None = 1) -> None:
-            return None
+            return None  # bytes on the wire (Xet: compressed, deduplicated), not file bytes
 
         def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
             return None
@@ -1381,10 +1575,14 @@ def fetch(plan: FetchPlan, *, progress: ProgressCallback | None = None,
 
     Returns the GGUF file (first shard) for GGUF plans, the variant folder for ONNX,
     else the snapshot folder; for in-place models (Ollama, LM Studio, local) their path.
-    Refuses a plan that does not fit (ModelTooLargeError) before any download. Every
-    file with an LFS sha256 that this call downloaded (``verify="all"``: every file) is
-    checked; a mismatch is deleted and downloaded once more, then ChecksumError.
-    Raises ModelGatedError, HubNotFoundError, OfflineMissingError, DiskFullError.
+    Refuses a plan that does not fit (ModelTooLargeError) before any download. Files
+    come from the commit the plan listed (``plan.commit``), not from wherever its branch
+    points by now. Every file with an LFS sha256 that this call downloads (``verify=
+    "all"``: every file) is checked before it enters the cache; a mismatch is fetched once
+    more, then ChecksumError. Dropped connections, expired download URLs, 5xx and 429
+    answers are tried again (a download continues from the bytes it has, also in a later
+    process); then HubUnavailableError. Raises ModelGatedError, HubNotFoundError,
+    HubAuthError, OfflineMissingError, DiskFullError.
     A Hub model's name is remembered with what it resolved to (:mod:`localrun.pulls`),
     so that the same name runs offline later.
     """
@@ -1392,50 +1590,21 @@ def fetch(plan: FetchPlan, *, progress: ProgressCallback | None = None,
     if plan.local_path is not None:
         return Path(plan.local_path)
     assert plan.repo is not None
-    revision = plan.revision or "main"
     todo = [f for f in plan.files if not _cached_now(plan, f)]
     if _offline() and todo:
         raise OfflineMissingError(plan.ref, [f"{plan.repo}/{f.path}" for f in todo],
                                   reason=_unreachable() or "HF_HUB_OFFLINE=1 is set")
     _check_disk(sum(f.size for f in todo))
-    total = sum(f.size for f in todo)
-    done = 0
+    meter = _Meter(progress, todo)
     paths: dict[str, str] = {}
-    index = 0
     for f in plan.files:
-        fresh = f in todo
-        if fresh:
-            index += 1
-        state = {"file_done": 0}
-
-        def report(delta: int, file_total: int | None, f: PlannedFile = f,
-                   i: int = index, state: dict[str, int] = state) -> None:
-            nonlocal done
-            done += delta
-            state["file_done"] += delta
-            if progress is not None:
-                progress(DownloadProgress(f.path, i, len(todo), delta, state["file_done"],
-                                          file_total, done, total))
-
-        # A cached file is asked for by commit: huggingface_hub then answers from the
-        # cache without a request (the Hub may be out of reach, or main moved on).
-        path = _download(plan, f.path, revision if fresh or not plan.commit else plan.commit,
-                         _bar_class(report) if fresh else None)
-        if f.sha256 and (fresh or verify == "all"):
-            actual = sha256_file(path)
-            if actual != f.sha256:
+        if f in todo:
+            path = _download(plan, f, meter.file(f, todo.index(f) + 1))
+        else:
+            path = _from_cache(plan, f)
+            if verify == "all" and f.sha256 and sha256_file(path) != f.sha256:
                 _drop_cached(path)
-                done -= state["file_done"]
-                state["file_done"] = 0
-                path = _download(plan, f.path, revision, _bar_class(report), force=True)
-                actual = sha256_file(path)
-                if actual != f.sha256:
-                    _drop_cached(path)
-                    raise ChecksumError(path, expected=f.sha256, actual=actual)
-        elif f.size and os.path.getsize(path) != f.size and WEIGHT_FILE.search(f.path) \
-                and plan.source == "hub":
-            raise ChecksumError(path, expected=f"{f.size} bytes",
-                                actual=f"{os.path.getsize(path)} bytes")
+                path = _download(plan, f, _Meter(None, [f]).file(f, 1))
         paths[f.path] = path
     first = next(iter(paths.items()), None)
     if first is None:
@@ -1444,6 +1613,7 @@ def fetch(plan: FetchPlan, *, progress: ProgressCallback | None = None,
     root = Path(abs_path)
     for _ in rel.split("/"):
         root = root.parent
+    _note_ref(plan)
     _remember(plan)
     if plan.primary:
         return root / plan.primary
@@ -1459,31 +1629,222 @@ def _cached_now(plan: FetchPlan, f: PlannedFile) -> bool:
     return isinstance(hit, str)
 
 
-def _download(plan: FetchPlan, filename: str, revision: str, bar: type | None,
-              force: bool = False) -> str:
+def _pinned(plan: FetchPlan) -> str:
+    """The revision files are fetched at: the commit the plan listed."""
+    return plan.commit or plan.revision or "main"
+
+
+def _shown_revision(plan: FetchPlan) -> str:
+    rev = plan.revision or "main"
+    if plan.commit and not plan.commit.startswith(rev):
+        return f"{rev} (commit {plan.commit[:12]}, as planned)"
+    return rev
+
+
+def _from_cache(plan: FetchPlan, f: PlannedFile) -> str:
+    """A file the cache has: asked for by commit, huggingface_hub answers without a
+    request (the Hub may be out of reach, or the branch may have moved on)."""
     assert plan.repo is not None
     try:
-        return str(hf_hub_download(plan.repo, filename, revision=revision,
-                                   cache_dir=_cache_dir(), tqdm_class=bar,
-                                   force_download=force))
-    except GatedRepoError as e:
-        raise ModelGatedError(plan.repo) from e
-    except RevisionNotFoundError as e:
-        raise HubNotFoundError(plan.repo, revision=revision) from e
-    except RemoteEntryNotFoundError as e:
-        raise HubNotFoundError(plan.repo, revision=revision, filename=filename) from e
-    except RepositoryNotFoundError as e:
-        raise HubNotFoundError(plan.repo) from e
+        return str(hf_hub_download(plan.repo, f.path, revision=_pinned(plan),
+                                   cache_dir=_cache_dir()))
     except LocalEntryNotFoundError as e:
         reason = "HF_HUB_OFFLINE=1 is set" if _offline() else "the Hub cannot be reached"
-        raise OfflineMissingError(plan.ref, [f"{plan.repo}/{filename}"], reason=reason) from e
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise DiskFullError(_cache_dir(), needed_bytes=plan.download_bytes,
-                                free_bytes=shutil.disk_usage(_cache_dir()).free) from e
-        if isinstance(e, HfHubHTTPError) or _is_network_error(e):
+        raise OfflineMissingError(plan.ref, [f"{plan.repo}/{f.path}"], reason=reason) from e
+    except HfHubHTTPError as e:
+        raise _typed(e, plan.repo, f"to look up {f.path}", revision=_shown_revision(plan),
+                     filename=f.path) from e
+
+
+class _Mismatch(Exception):
+    """A downloaded file whose sha256 is not the one the Hub listed (already deleted)."""
+
+    def __init__(self, path: str, actual: str) -> None:
+        super().__init__(path)
+        self.path = path
+        self.actual = actual
+
+
+class _Retry(Exception):
+    """A download try that ended for a passing reason (cut short, an expired URL)."""
+
+
+def _download(plan: FetchPlan, f: PlannedFile, meter: _FileMeter) -> str:
+    """One file of the plan into the HF cache at the planned commit, checked; a file
+    whose checksum is wrong is fetched once more, then ChecksumError."""
+    assert plan.repo is not None
+    for attempt in (1, 2):
+        try:
+            return _download_once(plan, f, meter)
+        except _Mismatch as bad:
+            meter.at(0)
+            if attempt == 2:
+                raise ChecksumError(bad.path, expected=f.sha256 or "?",
+                                    actual=bad.actual) from None
+    raise AssertionError("unreachable")
+
+
+def _xet_enabled() -> bool:
+    import importlib.util
+
+    return not constants.HF_HUB_DISABLE_XET and importlib.util.find_spec("hf_xet") is not None
+
+
+def _download_once(plan: FetchPlan, f: PlannedFile, meter: _FileMeter) -> str:
+    """Ask the Hub where the file is (HEAD), then fetch it: Xet-backed files through
+    huggingface_hub (hf_xet), the others with localrun's resumable HTTP download. Tried
+    again while failures pass (see HUB_ATTEMPTS)."""
+    assert plan.repo is not None
+    repo, revision = plan.repo, _pinned(plan)
+    url = hf_hub_url(repo, f.path, revision=revision)
+    what = f"to download {f.path} from {repo}"
+    attempt = 1
+    while True:
+        before = meter.at_bytes
+        try:
+            meta = get_hf_file_metadata(url)
+            if meta.xet_file_data is not None and _xet_enabled():
+                return _via_huggingface_hub(repo, f, revision, meter)
+            return _http_to_cache(repo, f, revision, url, meta, meter)
+        except (RepositoryNotFoundError, RevisionNotFoundError, RemoteEntryNotFoundError) as e:
+            raise _typed(e, repo, what, revision=_shown_revision(plan), filename=f.path) from e
+        except (OfflineModeIsEnabled, LocalEntryNotFoundError) as e:
+            reason = "HF_HUB_OFFLINE=1 is set" if _offline() else "the Hub cannot be reached"
+            raise OfflineMissingError(plan.ref, [f"{repo}/{f.path}"], reason=reason) from e
+        except (HfHubHTTPError, httpx2.TransportError, _Retry) as e:
+            passing = (isinstance(e, (httpx2.TransportError, _Retry))
+                       or _status(e) in RETRY_STATUS)
+            if meter.at_bytes > before:
+                attempt = 1  # bytes arrived: a slow, flaky line is not a failure
+            if not passing or not _wait_before_retry(e, attempt):
+                raise _typed(e, repo, what, tries=attempt) from e
+            attempt += 1
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise DiskFullError(_cache_dir(), needed_bytes=f.size,
+                                    free_bytes=shutil.disk_usage(_cache_dir()).free) from e
             raise
-        raise
+
+
+def _via_huggingface_hub(repo: str, f: PlannedFile, revision: str, meter: _FileMeter) -> str:
+    """A Xet-backed file: hf_xet fetches it (its chunk cache is what an interrupted Xet
+    download continues from); progress comes through the same meter as HTTP's."""
+    meter.at(0)
+    path = str(hf_hub_download(repo, f.path, revision=revision, cache_dir=_cache_dir(),
+                               tqdm_class=_bar_class(meter)))
+    if f.sha256:
+        actual = sha256_file(path)
+        if actual != f.sha256:
+            _drop_cached(path)
+            raise _Mismatch(path, actual)
+    return path
+
+
+def _storage(repo: str) -> Path:
+    """The repo's folder in the HF cache (its documented layout: ``models--org--name``)."""
+    return Path(_cache_dir()) / ("models--" + repo.replace("/", "--"))
+
+
+def _http_to_cache(repo: str, f: PlannedFile, revision: str, url: str,
+                   meta: huggingface_hub.HfFileMetadata, meter: _FileMeter) -> str:
+    """Download to ``blobs/<etag>`` + PARTIAL_SUFFIX, continuing what is there; check the
+    sha256 before the blob takes its name, then let huggingface_hub link it into the
+    snapshot (with the blob in place, ``hf_hub_download`` only makes the link)."""
+    etag = meta.etag
+    if not etag or meta.location is None:
+        raise _Retry(f"the Hub gave no ETag or location for {f.path}")
+    size = meta.size if meta.size is not None else (f.size or None)
+    storage = _storage(repo)
+    blob = storage / "blobs" / etag
+    if not blob.exists():
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        lock = Path(_cache_dir()) / ".locks" / storage.name / f"{etag}.lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        partial = blob.with_name(etag + PARTIAL_SUFFIX)
+        with WeakFileLock(lock):  # the lock huggingface_hub takes for this blob
+            if not blob.exists():
+                _stream(partial, url, meta.location, size, meter)
+                if f.sha256:
+                    actual = sha256_file(partial)
+                    if actual != f.sha256:
+                        partial.unlink()
+                        raise _Mismatch(str(blob), actual)
+                os.replace(partial, blob)
+    meter.at(blob.stat().st_size)
+    return str(hf_hub_download(repo, f.path, revision=revision, cache_dir=_cache_dir()))
+
+
+def _same_origin(a: str, b: str) -> bool:
+    from urllib.parse import urlsplit
+
+    ua, ub = urlsplit(a), urlsplit(b)
+    return (ua.scheme, ua.hostname, ua.port) == (ub.scheme, ub.hostname, ub.port)
+
+
+def _stream(partial: Path, url: str, location: str, size: int | None,
+            meter: _FileMeter) -> None:
+    """GET ``location`` into ``partial`` from the bytes it already holds (a Range
+    request). A server that answers the Range with 200 sends the whole file: it is
+    written from the start. Raises _Retry when the file came out short, or when the
+    signed URL no longer works (the next try asks the Hub for a fresh one)."""
+    have = partial.stat().st_size if partial.exists() else 0
+    if size is not None and have > size:
+        have = 0
+    meter.at(have, size)
+    if size is not None and have == size:
+        return  # complete: the checksum decides
+    headers = build_hf_headers()
+    if not _same_origin(url, location):
+        # A signed CDN URL carries its own authorization; the token must not leave the Hub.
+        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+    if have:
+        headers["Range"] = f"bytes={have}-"
+    with get_session().stream("GET", location, headers=headers, follow_redirects=True,
+                              timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
+        if r.status_code == 416:  # the partial is no prefix of this file: start over
+            partial.unlink(missing_ok=True)
+            raise _Retry(f"the file storage refused to continue at byte {have} of {size} "
+                         "(416): it holds another length than the Hub lists")
+        if r.status_code in (401, 403, 410) and not _same_origin(url, location):
+            raise _Retry(f"{r.status_code} from the file storage: the signed URL expired")
+        if r.status_code >= 400:
+            r.read()
+            hf_raise_for_status(r)
+        start = 0
+        if r.status_code == 206:
+            m = re.match(r"bytes (\d+)-", r.headers.get("Content-Range", ""))
+            start = int(m.group(1)) if m else 0
+            if start > have:
+                partial.unlink(missing_ok=True)
+                raise _Retry(f"the server resumed at byte {start}, not {have}")
+        with open(partial, "r+b" if partial.exists() else "wb") as fh:
+            fh.seek(start)
+            fh.truncate()
+            meter.at(start, size)
+            # As the bytes arrive (no buffering to a chunk size): what arrived before a
+            # dropped connection is on disk for the next try to continue from.
+            for chunk in r.iter_bytes():
+                fh.write(chunk)
+                meter.add(len(chunk))
+    got = partial.stat().st_size
+    if size is not None and got != size:
+        raise _Retry(f"the download stopped at byte {got} of {size}")
+
+
+def _note_ref(plan: FetchPlan) -> None:
+    """Write down in the cache which commit the plan's branch or tag named (what
+    huggingface_hub does when asked by name, and offline plans look up): files were
+    asked for by commit."""
+    rev, commit = plan.revision, plan.commit
+    if plan.source != "hub" or plan.repo is None or not rev or not commit \
+            or commit.startswith(rev):
+        return
+    ref = _storage(plan.repo) / "refs" / rev
+    with contextlib.suppress(OSError):
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(ref.name + ".tmp")
+        tmp.write_text(commit, encoding="utf-8")
+        os.replace(tmp, ref)
 
 
 # --- the cache: list and remove ------------------------------------------------------------------

@@ -1,19 +1,40 @@
 """A local imitation of the Hugging Face Hub, for the real huggingface_hub client.
 
-Serves on 127.0.0.1 (random port) what huggingface_hub 1.x/2.x asks for:
+Serves on 127.0.0.1 (random ports) what huggingface_hub 1.x/2.x asks for, answered the
+way the real Hub answers it (tests/test_hub_faithful.py has a test per behaviour):
 
-- ``GET /api/models/{repo}[/revision/{rev}]``: id, sha, siblings, tags, gated, cardData, config
+- ``GET /api/models/{repo}[/revision/{rev}]``: id, sha, siblings, tags, gated, cardData,
+  config. ``?expand=a&expand=b`` returns only those fields (and ``id``; an unknown one is
+  a 400); ``?blobs=true`` gives the siblings their sizes and LFS checksums, which they
+  otherwise lack
 - ``GET /api/models/{repo}/tree/{rev}[/{path}]``: files with size, oid and ``lfs{oid,size}``
-- ``GET /api/models/{repo}/refs``: branches (EXL2 bpw branches)
-- ``GET /api/models?filter=&search=&author=&sort=&limit=``: search (filters ANDed)
-- ``HEAD/GET /{repo}/resolve/{rev}/{path}``: X-Repo-Commit, ETag / X-Linked-Etag (the
-  sha256 for LFS files), X-Linked-Size, Content-Length, Accept-Ranges; Range -> 206
-- errors through ``X-Error-Code``: RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo
+- ``GET /api/models/{repo}/refs``: branches, tags, and pull requests with ``include_prs=1``
+- ``GET /api/models?filter=&search=&author=&sort=&limit=&expand=``: search (filters
+  ANDed; by default the fields the real listing has: no ``gated``, no ``siblings``)
+- listings are paginated: ``page_size`` entries a page, then ``Link: <…>; rel="next"``
+- ``HEAD/GET /{repo}/resolve/{rev}/{path}``: X-Repo-Commit, ETag, and for LFS files
+  X-Linked-Etag (the sha256) and X-Linked-Size with a 302 to a signed URL on the CDN, a
+  second server on another port. The CDN refuses a request that also carries an
+  Authorization header (400, as S3 presigned URLs do), answers 403 once the URL has
+  expired, serves Range with 206 and a range beyond the end with 416. Small (non-LFS)
+  files are served by the Hub itself.
+- revisions: branch names, tags, full and short commit hashes, ``refs/pr/N``; a commit
+  stays reachable by its hash after its branch moves on (:meth:`FakeRepo.move`)
+- access: a missing or private repo answers 401 ``RepoNotFound`` to an anonymous caller
+  and 404 to a token without access; a gated repo's files answer 401 ``GatedRepo``
+  without a token and 403 to a token that was not granted; an unknown token is a 401
+  "Invalid credentials in Authorization header" everywhere
+- Xet: with ``FakeRepo.xet`` the LFS files' HEAD also carries ``X-Xet-Hash`` and the
+  ``xet-auth`` link, and ``/api/models/{repo}/xet-read-token/{rev}`` answers the CAS
+  connection headers (there is no CAS server: tests replace hf_xet's session)
 
-Fault injection: ``drop_once`` (send half a file, then close the connection) and
-``corrupt_once`` (send the right length with wrong bytes), each for one (repo, path);
-``fail_paths``: request paths (regular expressions) answered with a 500.
-Every request is recorded in ``requests`` for assertions.
+Fault injection: ``drop_once`` (send half a file, then close the connection; with
+``expire_on_drop`` its signed URL expires too), ``corrupt_once`` / ``corrupt_always``
+(the right length, wrong bytes), ``truncated`` (the CDN holds fewer bytes than the Hub
+lists), ``ignore_range`` (a 200 with the whole file in reply
+to a Range request, as servers that do not do ranges answer), ``fail()`` (5xx or 429
+with Retry-After, a number of times), ``fail_paths`` (paths answered 500, always).
+Every request is recorded in ``requests`` (the CDN's with ``"host": "cdn"``).
 """
 
 from __future__ import annotations
@@ -24,15 +45,20 @@ import os
 import re
 import struct
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
+#: A token granted every gated and private repo.
 GATED_TOKEN = "hf_test_token_granted"
-
+#: A valid token that was granted nothing (403 on gated files, 404 on private repos).
+NO_ACCESS_TOKEN = "hf_test_token_no_access"
+#: What the real Hub says to an unknown token (huggingface_hub matches this text).
+INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
 
 # --- tiny valid GGUF files ----------------------------------------------------------------------
 
@@ -71,6 +97,8 @@ def gguf_bytes(*, quant: str = "Q4_K_M", arch: str = "qwen2", layers: int = 24,
 
 # --- repos ----------------------------------------------------------------------------------------
 
+# --- repos ----------------------------------------------------------------------------------------
+
 @dataclass
 class FakeFile:
     data: bytes | None = None
@@ -104,61 +132,190 @@ class FakeFile:
             self._git_oid = hashlib.sha1(b"blob %d\0" % len(body) + body).hexdigest()
         return self._git_oid
 
+    @property
+    def etag(self) -> str:
+        """What the Hub's ETag / X-Linked-Etag say: the sha256 for LFS, else the git oid."""
+        return self.sha256 if self.is_lfs else self.git_oid
+
+
+Files = dict[str, FakeFile]
+PR_REF = re.compile(r"^refs/pr/(\d+)$")
+HEX = re.compile(r"^[0-9a-f]{7,40}$")
+
 
 @dataclass
 class FakeRepo:
     id: str
-    branches: dict[str, dict[str, FakeFile]]
-    tags: list[str] = field(default_factory=list)
+    branches: dict[str, Files]
+    tags: list[str] = field(default_factory=list)  # the Hub's tags (gguf, base_model:…)
     gated: str | bool = False
     config: dict[str, Any] | None = None
     card_data: dict[str, Any] | None = None
     downloads: int = 0
+    private: bool = False
+    git_tags: dict[str, str] = field(default_factory=dict)  # tag name -> commit sha
+    prs: dict[int, Files] = field(default_factory=dict)  # refs/pr/N -> its files
+    history: dict[str, Files] = field(default_factory=dict)  # commits no branch points at
+    xet: bool = False  # LFS files are Xet-backed (HEAD carries the Xet headers)
 
-    def sha(self, branch: str) -> str:
-        h = hashlib.sha1(f"{self.id}@{branch}".encode())
-        for path, f in sorted(self.branches[branch].items()):
+    def _sha(self, label: str, files: Files) -> str:
+        h = hashlib.sha1(f"{self.id}@{label}".encode())
+        for path, f in sorted(files.items()):
             h.update(path.encode() + f.sha256.encode())
         return h.hexdigest()
 
-    def resolve(self, rev: str) -> str | None:
-        """A branch name or commit sha -> branch name."""
+    def sha(self, branch: str) -> str:
+        """The commit a branch points at (derived from its files: tests edit them)."""
+        return self._sha(branch, self.branches[branch])
+
+    def pr_sha(self, number: int) -> str:
+        return self._sha(f"refs/pr/{number}", self.prs[number])
+
+    def commits(self) -> dict[str, Files]:
+        out = dict(self.history)
+        out.update({self.sha(b): files for b, files in self.branches.items()})
+        out.update({self.pr_sha(n): files for n, files in self.prs.items()})
+        return out
+
+    def lookup(self, rev: str) -> tuple[str, Files] | None:
+        """A branch, tag, ``refs/pr/N``, or full or short (7+ hex) commit hash ->
+        (commit sha, files); None when the repo has no such revision."""
         if rev in self.branches:
-            return rev
-        for b in self.branches:
-            if self.sha(b) == rev:
-                return b
+            return self.sha(rev), self.branches[rev]
+        commits = self.commits()
+        if rev in self.git_tags:
+            sha = self.git_tags[rev]
+            return sha, commits[sha]
+        m = PR_REF.match(rev)
+        if m:
+            n = int(m.group(1))
+            return (self.pr_sha(n), self.prs[n]) if n in self.prs else None
+        if HEX.match(rev):
+            hits = [c for c in commits if c.startswith(rev)]
+            if len(hits) == 1:
+                return hits[0], commits[hits[0]]
         return None
+
+    def default_branch(self) -> str:
+        return "main" if "main" in self.branches else next(iter(self.branches))
+
+    def move(self, branch: str, files: Files) -> str:
+        """Point ``branch`` at a new commit with ``files``; the old commit stays
+        reachable by its hash (as on the Hub). Returns the old commit's sha."""
+        old = self.sha(branch)
+        self.history[old] = dict(self.branches[branch])
+        self.branches[branch] = files
+        return old
+
+    def tag(self, name: str, branch: str = "main") -> str:
+        """Tag the commit ``branch`` points at now; return its sha."""
+        sha = self.sha(branch)
+        self.history.setdefault(sha, dict(self.branches[branch]))
+        self.git_tags[name] = sha
+        return sha
+
+
+@dataclass
+class Fault:
+    """Answer requests whose path matches ``pattern`` with ``status``, ``times`` times
+    (None: always); a 429/503 may carry Retry-After."""
+
+    pattern: str
+    status: int
+    times: int | None
+    retry_after: str | None = None
+    method: str | None = None
+    hits: int = 0
+
+
+@dataclass
+class _Signed:
+    repo: str
+    path: str
+    file: FakeFile
+    expired: bool = False
 
 
 class FakeHub:
-    """The repos, the request log, and fault injection; serve with :class:`HubServer`."""
+    """The repos, tokens, the request log and fault injection; serve with :class:`HubServer`."""
 
     def __init__(self) -> None:
         self.repos: dict[str, FakeRepo] = {}
         self.requests: list[dict[str, Any]] = []
+        # token -> the gated/private repos it was granted (None: all of them)
+        self.tokens: dict[str, set[str] | None] = {GATED_TOKEN: None, NO_ACCESS_TOKEN: set()}
+        self.page_size = 1000  # the real Hub's tree page; tests lower it
         self.drop_once: set[tuple[str, str]] = set()
+        self.expire_on_drop = False
         self.corrupt_once: set[tuple[str, str]] = set()
+        self.corrupt_always: set[tuple[str, str]] = set()
+        self.ignore_range: set[tuple[str, str]] = set()
+        # (repo, path) -> bytes the CDN really holds (fewer than the Hub lists)
+        self.truncated: dict[tuple[str, str], int] = {}
         self.fail_paths: set[str] = set()
+        self.faults: list[Fault] = []
+        self.signed: dict[str, _Signed] = {}
+        self.cdn_url = ""  # set by HubServer
         self.lock = threading.Lock()
 
     def add(self, repo: FakeRepo) -> FakeRepo:
         self.repos[repo.id] = repo
         return repo
 
+    def fail(self, pattern: str, status: int = 503, times: int | None = 1, *,
+             retry_after: str | None = None, method: str | None = None) -> Fault:
+        """Answer the next ``times`` requests matching ``pattern`` (a regular expression
+        on the unquoted path) with ``status``."""
+        fault = Fault(pattern, status, times, retry_after, method)
+        self.faults.append(fault)
+        return fault
+
+    def expire_urls(self) -> None:
+        """Every signed CDN URL handed out so far stops working (403)."""
+        with self.lock:
+            for s in self.signed.values():
+                s.expired = True
+
+    def sign(self, repo: str, path: str, f: FakeFile) -> str:
+        token = uuid.uuid4().hex
+        with self.lock:
+            self.signed[token] = _Signed(repo, path, f)
+        name = quote(path.rsplit("/", 1)[-1])
+        return (f"{self.cdn_url}/lfs/{f.sha256}/{name}?X-Amz-Expires=3600"
+                f"&X-Amz-Signature={token}")
+
     def resolve_requests(self, method: str | None = None) -> list[dict[str, Any]]:
-        return [r for r in self.requests if "/resolve/" in r["path"]
+        """Requests for file contents or metadata: the Hub's /resolve and the CDN's."""
+        return [r for r in self.requests
+                if ("/resolve/" in r["path"] or r.get("host") == "cdn")
+                and (method is None or r["method"] == method)]
+
+    def cdn_requests(self, method: str | None = None) -> list[dict[str, Any]]:
+        return [r for r in self.requests if r.get("host") == "cdn"
                 and (method is None or r["method"] == method)]
 
 
-class _Handler(BaseHTTPRequestHandler):
+#: What ``?expand=`` may name on /api/models (the real Hub refuses other names).
+EXPANDABLE = frozenset({
+    "author", "baseModels", "cardData", "childrenModelCount", "config", "createdAt",
+    "disabled", "downloads", "downloadsAllTime", "gated", "gguf", "inference",
+    "inferenceProviderMapping", "lastModified", "library_name", "likes", "mask_token",
+    "model-index", "pipeline_tag", "private", "resourceGroup", "safetensors", "sha",
+    "siblings", "spaces", "tags", "transformersInfo", "trendingScore", "widgetData",
+    "usedStorage", "xetEnabled"})
+#: The fields /api/models (the search) returns without ``expand``.
+SEARCH_FIELDS = ("_id", "id", "likes", "trendingScore", "private", "downloads", "tags",
+                 "pipeline_tag", "library_name", "createdAt", "modelId")
+
+
+class _Base(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     hub: FakeHub  # set on the subclass
+    host_label = "hub"
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         return None
 
-    # -- helpers
     def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None,
               content_type: str = "application/json") -> None:
         self.send_response(status)
@@ -170,18 +327,15 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _json(self, obj: Any, headers: dict[str, str] | None = None) -> None:
-        self._send(200, json.dumps(obj).encode(), headers)
-
-    def _error(self, status: int, code: str, message: str,
-               headers: dict[str, str] | None = None) -> None:
-        h = {"X-Error-Code": code, "X-Error-Message": message, **(headers or {})}
-        self._send(status, json.dumps({"error": message}).encode(), h)
-
     def _record(self) -> None:
+        url = urlsplit(self.path)
+        entry: dict[str, Any] = {"method": self.command, "headers": dict(self.headers.items())}
+        if self.host_label == "cdn":
+            entry.update(host="cdn", path=unquote(url.path), query=url.query)
+        else:
+            entry["path"] = self.path
         with self.hub.lock:
-            self.hub.requests.append({"method": self.command, "path": self.path,
-                                      "headers": dict(self.headers.items())})
+            self.hub.requests.append(entry)
 
     def do_HEAD(self) -> None:
         self._record()
@@ -191,72 +345,226 @@ class _Handler(BaseHTTPRequestHandler):
         self._record()
         self._route()
 
+    def _route(self) -> None:
+        raise NotImplementedError
+
+    def _error(self, status: int, code: str | None, message: str,
+               headers: dict[str, str] | None = None) -> None:
+        h = {"X-Error-Message": message, **(headers or {})}
+        if code:
+            h["X-Error-Code"] = code
+        self._send(status, json.dumps({"error": message}).encode(), h)
+
+    def _fault(self, path: str) -> bool:
+        if any(re.search(p, path) for p in self.hub.fail_paths):
+            self._error(500, None, "Internal Error - We're working hard to fix this as soon "
+                        "as possible!")
+            return True
+        with self.hub.lock:
+            hit = next((f for f in self.hub.faults
+                        if re.search(f.pattern, path) and (f.times is None or f.hits < f.times)
+                        and (f.method is None or f.method == self.command)), None)
+            if hit is not None:
+                hit.hits += 1
+        if hit is None:
+            return False
+        headers = {"Retry-After": hit.retry_after} if hit.retry_after is not None else {}
+        message = {429: "You have exceeded our hourly quotas for action: api. We invite you "
+                   "to retry later."}.get(hit.status, "Service Unavailable")
+        self._error(hit.status, None, message, headers)
+        return True
+
+
+    def _serve_bytes(self, key: tuple[str, str], f: FakeFile, headers: dict[str, str],
+                     on_drop: Any = None) -> None:
+        """A file's bytes: Range -> 206 (416 beyond the end), faults applied."""
+        if f.data is None:
+            return self._send(500, b'{"error": "test bug: a virtual file was downloaded"}')
+        data = f.data
+        if self.host_label == "cdn" and key in self.hub.truncated:
+            data = data[:self.hub.truncated[key]]
+        headers = {**headers, "Accept-Ranges": "bytes"}
+        if self.command == "HEAD":
+            return self._send(200, data, headers, "application/octet-stream")
+        with self.hub.lock:
+            drop = key in self.hub.drop_once
+            corrupt = key in self.hub.corrupt_once or key in self.hub.corrupt_always
+            ignore_range = key in self.hub.ignore_range
+            self.hub.drop_once.discard(key)
+            self.hub.corrupt_once.discard(key)
+        status = 200
+        rng = self.headers.get("Range")
+        if rng and not ignore_range:
+            m = re.match(r"bytes=(\d+)-(\d*)$", rng)
+            assert m, rng
+            start = int(m.group(1))
+            if start >= len(data):
+                return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"},
+                                  "text/plain")
+            end = min(int(m.group(2)) if m.group(2) else len(data) - 1, len(data) - 1)
+            headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+            data, status = data[start:end + 1], 206
+        if corrupt:
+            data = bytes(b ^ 0xFF for b in data)
+        if drop:
+            # Promise the whole body, send half, hang up: the client must resume with Range.
+            self.send_response(status)
+            self.send_header("Content-Type", "application/octet-stream")
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            if on_drop is not None:
+                on_drop()
+            return None
+        return self._send(status, data, headers, "application/octet-stream")
+
+
+class _Handler(_Base):
+    """The Hub: API and /resolve."""
+
+    # -- helpers
+    def _json(self, obj: Any, headers: dict[str, str] | None = None) -> None:
+        self._send(200, json.dumps(obj).encode(), headers)
+
+    def _token(self) -> str | None:
+        auth = self.headers.get("Authorization") or ""
+        return auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else None
+
+    def _granted(self, repo: FakeRepo) -> bool:
+        token = self._token()
+        if token is None or token not in self.hub.tokens:
+            return False
+        allowed = self.hub.tokens[token]
+        return allowed is None or repo.id in allowed
+
+    def _base_url(self) -> str:
+        return f"http://{self.headers.get('Host')}"
+
     # -- routing
     def _route(self) -> None:
         url = urlsplit(self.path)
-        path = unquote(url.path)
+        raw = url.path
+        path = unquote(raw)
         query = parse_qs(url.query)
-        if any(re.search(p, path) for p in self.hub.fail_paths):
-            return self._error(500, "InternalError", "injected failure")
+        if self._fault(path):
+            return None
+        token = self._token()
+        if token is not None and token not in self.hub.tokens:
+            return self._error(401, None, INVALID_CREDENTIALS)
         if path == "/api/models":
             return self._search(query)
-        m = re.match(r"^/api/models/([^/]+/[^/]+)(/.*)?$", path)
-        if m:
-            return self._api(m.group(1), m.group(2) or "", query)
-        m = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
-        if m:
-            return self._resolve(m.group(1), m.group(2), m.group(3))
-        self._error(404, "NotFound", "no such endpoint")
+        parts = [unquote(p) for p in raw.split("/")]
+        if len(parts) >= 4 and parts[1] == "api" and parts[2] == "models" and len(parts) >= 5:
+            return self._api(f"{parts[3]}/{parts[4]}", parts[5:], query)
+        if len(parts) >= 6 and parts[3] == "resolve":
+            return self._resolve(f"{parts[1]}/{parts[2]}", parts[4], "/".join(parts[5:]))
+        self._error(404, None, "Sorry, we can't find the page you are looking for.")
 
     def _repo(self, rid: str) -> FakeRepo | None:
+        """The repo, or None after answering as the Hub does: 401 to an anonymous caller
+        (a missing repo looks like a private one), 404 to a token without access."""
         repo = self.hub.repos.get(rid)
-        if repo is None:
-            self._error(404, "RepoNotFound", "Repository not found")
-        return repo
+        if repo is not None and (not repo.private or self._granted(repo)):
+            return repo
+        status = 404 if self._token() is not None else 401
+        self._error(status, "RepoNotFound", "Repository not found")
+        return None
 
-    def _info(self, repo: FakeRepo, branch: str) -> dict[str, Any]:
-        files = repo.branches[branch]
-        return {
-            "id": repo.id, "_id": repo.id, "modelId": repo.id, "author": repo.id.split("/")[0],
-            "sha": repo.sha(branch), "private": False, "gated": repo.gated,
+    def _info(self, repo: FakeRepo, sha: str, files: Files,
+              query: dict[str, list[str]]) -> dict[str, Any] | None:
+        blobs = query.get("blobs", ["false"])[0].lower() in ("true", "1")
+        siblings: list[dict[str, Any]] = []
+        for p, f in sorted(files.items()):
+            s: dict[str, Any] = {"rfilename": p}
+            if blobs:
+                s.update(blobId=f.git_oid, size=f.length)
+                if f.is_lfs:
+                    s["lfs"] = {"sha256": f.sha256, "size": f.length, "pointerSize": 134}
+            siblings.append(s)
+        info: dict[str, Any] = {
+            "_id": repo.id, "id": repo.id, "modelId": repo.id, "author": repo.id.split("/")[0],
+            "sha": sha, "private": repo.private, "gated": repo.gated,
             "disabled": False, "downloads": repo.downloads, "likes": 0, "tags": repo.tags,
             "library_name": next((t for t in repo.tags if t in ("gguf", "mlx", "openvino")),
                                  None),
             "cardData": repo.card_data or {}, "config": repo.config,
-            "siblings": [{"rfilename": p} for p in sorted(files)],
+            "siblings": siblings, "xetEnabled": repo.xet,
             "lastModified": "2025-01-01T00:00:00.000Z",
             "createdAt": "2025-01-01T00:00:00.000Z",
         }
+        return self._expanded(info, query)
 
-    def _api(self, rid: str, rest: str, query: dict[str, list[str]]) -> None:
+    def _expanded(self, info: dict[str, Any], query: dict[str, list[str]]
+                  ) -> dict[str, Any] | None:
+        """Only the fields ``expand`` names (with id), as the real API; None after a 400."""
+        expand = [e for v in query.get("expand", []) for e in v.split(",") if e]
+        if not expand:
+            return info
+        bad = [e for e in expand if e not in EXPANDABLE]
+        if bad:
+            self._error(400, None, f'"expand" must be one of {sorted(EXPANDABLE)} ({bad[0]})')
+            return None
+        return {"_id": info["_id"], "id": info["id"],
+                **{k: info[k] for k in expand if k in info}}
+
+    def _page(self, items: list[Any], query: dict[str, list[str]], size: int) -> None:
+        """One page of ``items`` and, when more follow, a Link to the next (GitHub style,
+        an absolute URL carrying the query and a cursor)."""
+        start = int((query.get("cursor") or ["0"])[0])
+        page = items[start:start + size]
+        headers = {}
+        if start + size < len(items):
+            nxt = {k: v for k, v in query.items() if k != "cursor"}
+            nxt["cursor"] = [str(start + size)]
+            link = f"{self._base_url()}{urlsplit(self.path).path}?{urlencode(nxt, doseq=True)}"
+            headers["Link"] = f'<{link}>; rel="next"'
+        self._json(page, headers)
+
+    def _api(self, rid: str, rest: list[str], query: dict[str, list[str]]) -> None:
         repo = self._repo(rid)
         if repo is None:
-            return
-        if rest in ("", "/"):
-            return self._json(self._info(repo, "main" if "main" in repo.branches
-                                         else next(iter(repo.branches))))
-        m = re.match(r"^/revision/([^/]+)$", rest)
-        if m:
-            branch = repo.resolve(m.group(1))
-            if branch is None:
-                return self._error(404, "RevisionNotFound", "Invalid rev id")
-            return self._json(self._info(repo, branch))
-        if rest == "/refs":
+            return None
+        if not rest or rest == [""]:
+            branch = repo.default_branch()
+            info = self._info(repo, repo.sha(branch), repo.branches[branch], query)
+            return None if info is None else self._json(info)
+        if rest[0] == "revision" and len(rest) == 2:
+            found = repo.lookup(rest[1])
+            if found is None:
+                return self._error(404, "RevisionNotFound", f"Invalid rev id: {rest[1]}")
+            info = self._info(repo, *found, query)
+            return None if info is None else self._json(info)
+        if rest == ["refs"]:
+            prs = query.get("include_prs", ["0"])[0].lower() in ("1", "true")
             return self._json({
                 "branches": [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": repo.sha(b)}
                              for b in repo.branches],
-                "tags": [], "converts": []})
-        m = re.match(r"^/tree/([^/]+)(?:/(.*))?$", rest)
-        if m:
-            branch = repo.resolve(m.group(1))
-            if branch is None:
-                return self._error(404, "RevisionNotFound", "Invalid rev id")
-            under = (m.group(2) or "").strip("/")
+                "tags": [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": sha}
+                         for t, sha in repo.git_tags.items()],
+                "converts": [],
+                **({"pullRequests": [{"name": f"refs/pr/{n}", "ref": f"refs/pr/{n}",
+                                      "targetCommit": repo.pr_sha(n)} for n in repo.prs]}
+                   if prs else {})})
+        if rest[0] == "tree" and len(rest) >= 2:
+            found = repo.lookup(rest[1])
+            if found is None:
+                return self._error(404, "RevisionNotFound", f"Invalid rev id: {rest[1]}")
+            under = "/".join(rest[2:]).strip("/")
             recursive = query.get("recursive", ["false"])[0].lower() in ("true", "1")
-            return self._json(self._tree(repo.branches[branch], under, recursive))
-        self._error(404, "NotFound", "no such endpoint")
+            return self._page(self._tree(found[1], under, recursive), query,
+                              self.hub.page_size)
+        if rest[0] == "xet-read-token" and len(rest) == 2:
+            return self._json({"casUrl": f"{self.hub.cdn_url}/cas", "exp": 4102444800,
+                               "accessToken": "xet-test-token"}, {
+                "X-Xet-Cas-Url": f"{self.hub.cdn_url}/cas", "X-Xet-Access-Token":
+                "xet-test-token", "X-Xet-Token-Expiration": "4102444800"})
+        self._error(404, None, "Sorry, we can't find the page you are looking for.")
 
-    def _tree(self, files: dict[str, FakeFile], under: str, recursive: bool) -> list[Any]:
+    def _tree(self, files: Files, under: str, recursive: bool) -> list[Any]:
         prefix = f"{under}/" if under else ""
         out: list[dict[str, Any]] = []
         dirs: set[str] = set()
@@ -287,6 +595,8 @@ class _Handler(BaseHTTPRequestHandler):
         limit = int((query.get("limit") or ["1000"])[0])
         found = []
         for repo in self.hub.repos.values():
+            if repo.private and not self._granted(repo):
+                continue
             if not all(f in repo.tags for f in filters):
                 continue
             if search and search not in repo.id.lower():
@@ -296,95 +606,110 @@ class _Handler(BaseHTTPRequestHandler):
             found.append(repo)
         if (query.get("sort") or [""])[0] == "downloads":
             found.sort(key=lambda r: -r.downloads)
-        self._json([{"id": r.id, "_id": r.id, "modelId": r.id, "tags": r.tags,
-                     "downloads": r.downloads, "likes": 0, "private": False,
-                     "gated": r.gated}
-                    for r in found[:limit]])
+        rows = []
+        for r in found:
+            full = {"_id": r.id, "id": r.id, "modelId": r.id, "tags": r.tags,
+                    "downloads": r.downloads, "likes": 0, "trendingScore": 0,
+                    "private": r.private, "gated": r.gated, "pipeline_tag": None,
+                    "library_name": None, "createdAt": "2025-01-01T00:00:00.000Z"}
+            if query.get("expand"):
+                row = self._expanded(full, query)
+                if row is None:
+                    return None
+            else:
+                row = {k: full[k] for k in SEARCH_FIELDS if k in full}
+            rows.append(row)
+        self._page(rows, query, min(limit, self.hub.page_size))
 
     def _resolve(self, rid: str, rev: str, path: str) -> None:
         repo = self._repo(rid)
         if repo is None:
-            return
-        branch = repo.resolve(unquote(rev))
-        if branch is None:
-            return self._error(404, "RevisionNotFound", "Invalid rev id")
-        commit = repo.sha(branch)
-        if repo.gated and self.headers.get("Authorization") != f"Bearer {GATED_TOKEN}":
-            return self._error(401, "GatedRepo",
-                               "Access to model is restricted. You must have access to it "
-                               "and be authenticated to access it. Please log in.",
-                               {"X-Repo-Commit": commit})
-        f = repo.branches[branch].get(path)
+            return None
+        found = repo.lookup(rev)
+        if found is None:
+            return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        commit, files = found
+        if repo.gated and not self._granted(repo):
+            if self._token() is None:
+                return self._error(401, "GatedRepo", f"Access to model {rid} is restricted. "
+                                   "You must have access to it and be authenticated to access "
+                                   "it. Please log in.", {"X-Repo-Commit": commit})
+            return self._error(403, "GatedRepo", f"Access to model {rid} is restricted and you "
+                               f"are not in the authorized list. Visit https://huggingface.co/"
+                               f"{rid} to ask for access.", {"X-Repo-Commit": commit})
+        f = files.get(path)
         if f is None:
             return self._error(404, "EntryNotFound", "Entry not found",
                                {"X-Repo-Commit": commit})
-        headers = {"X-Repo-Commit": commit, "Accept-Ranges": "bytes",
-                   "ETag": f'"{f.sha256 if f.is_lfs else f.git_oid}"'}
-        if f.is_lfs:
-            headers["X-Linked-Etag"] = f'"{f.sha256}"'
-            headers["X-Linked-Size"] = str(f.length)
-        if f.data is None:
-            if self.command == "HEAD":
-                self.send_response(200)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(f.length))
-                self.end_headers()
-                return None
-            return self._error(500, "VirtualFile", "test bug: a virtual file was downloaded")
-        data = f.data
-        rng = self.headers.get("Range")
-        if self.command == "HEAD":
-            return self._send(200, data, headers, "application/octet-stream")
-        key = (rid, path)
-        if rng:
-            m = re.match(r"bytes=(\d+)-(\d*)", rng)
-            assert m, rng
-            start = int(m.group(1))
-            end = int(m.group(2)) if m.group(2) else len(data) - 1
-            end = min(end, len(data) - 1)
-            part = data[start:end + 1]
-            headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
-            return self._send(206, part, headers, "application/octet-stream")
-        with self.hub.lock:
-            drop = key in self.hub.drop_once
-            corrupt = key in self.hub.corrupt_once
-            self.hub.drop_once.discard(key)
-            self.hub.corrupt_once.discard(key)
-        if drop:
-            # Promise the whole file, send half, hang up: the client must resume with Range.
-            self.send_response(200)
-            self.send_header("Content-Type", "application/octet-stream")
-            for k, v in headers.items():
-                self.send_header(k, v)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data[: len(data) // 2])
-            self.wfile.flush()
-            self.close_connection = True
+        headers = {"X-Repo-Commit": commit, "ETag": f'"{f.etag}"'}
+        if not f.is_lfs:
+            return self._serve_bytes((rid, path), f, headers)
+        # LFS: the metadata here, the bytes on the CDN behind a signed URL.
+        headers.update({"X-Linked-Etag": f'"{f.sha256}"', "X-Linked-Size": str(f.length),
+                        "Location": self.hub.sign(rid, path, f)})
+        if repo.xet:
+            headers["X-Xet-Hash"] = f.sha256
+            headers["Link"] = (f'<{self._base_url()}/api/models/{rid}/xet-read-token/{commit}>;'
+                               ' rel="xet-auth"')
+        self._send(302, b"", headers, "text/plain")
+
+
+class _CdnHandler(_Base):
+    """The CDN: signed URLs only, no Authorization header, Range, expiry."""
+
+    host_label = "cdn"
+
+    def _route(self) -> None:
+        url = urlsplit(self.path)
+        if self._fault(unquote(url.path)):
             return None
-        if corrupt:
-            data = bytes(b ^ 0xFF for b in data)
-        return self._send(200, data, headers, "application/octet-stream")
+        query = parse_qs(url.query)
+        token = (query.get("X-Amz-Signature") or [""])[0]
+        signed = self.hub.signed.get(token)
+        if self.headers.get("Authorization"):
+            # S3: a presigned URL and an Authorization header are two auth mechanisms.
+            return self._send(400, b"<Error><Code>InvalidArgument</Code><Message>Only one "
+                              b"auth mechanism allowed</Message></Error>", None,
+                              "application/xml")
+        if signed is None or signed.expired:
+            return self._send(403, b"<Error><Code>AccessDenied</Code><Message>Request has "
+                              b"expired</Message></Error>", None, "application/xml")
+
+        def expire() -> None:
+            if self.hub.expire_on_drop:
+                signed.expired = True
+
+        headers = {"ETag": f'"{signed.file.sha256}"', "Content-Disposition":
+                   f'attachment; filename="{signed.path.rsplit("/", 1)[-1]}"'}
+        self._serve_bytes((signed.repo, signed.path), signed.file, headers, on_drop=expire)
 
 
 class HubServer:
-    """Run a FakeHub on 127.0.0.1 in a thread: ``with HubServer(hub) as url: ...``."""
+    """Run a FakeHub (and its CDN, on another port) on 127.0.0.1 in threads:
+    ``with HubServer(hub) as url: ...``."""
 
     def __init__(self, hub: FakeHub) -> None:
-        handler = type("Handler", (_Handler,), {"hub": hub})
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.httpd.daemon_threads = True
+        self.hub = hub
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0),
+                                         type("Handler", (_Handler,), {"hub": hub}))
+        self.cdn = ThreadingHTTPServer(("127.0.0.1", 0),
+                                       type("CdnHandler", (_CdnHandler,), {"hub": hub}))
+        for s in (self.httpd, self.cdn):
+            s.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        hub.cdn_url = f"http://127.0.0.1:{self.cdn.server_address[1]}"
+        self.threads = [threading.Thread(target=s.serve_forever, daemon=True)
+                        for s in (self.httpd, self.cdn)]
 
     def __enter__(self) -> str:
-        self.thread.start()
+        for t in self.threads:
+            t.start()
         return self.url
 
     def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        for s in (self.httpd, self.cdn):
+            s.shutdown()
+            s.server_close()
 
 
 # --- the standard fixture hub ---
@@ -627,9 +952,37 @@ def start(monkeypatch: Any, tmp_path: Path) -> Iterator[HubFixture]:
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def add_smollm2(hub: FakeHub, gguf: Path) -> None:
+#: Where the SmolLM2 OpenVINO / ONNX GenAI fixtures are served (names the planner finds
+#: through the base model's tree: the OpenVINO org's ``-int4-ov`` naming, an ``onnx`` repo
+#: with the model in a device folder as microsoft's and onnxruntime's repos have it).
+SMOLLM2_OV = "OpenVINO/SmolLM2-135M-Instruct-int4-ov"
+SMOLLM2_ONNX = "onnx-community/SmolLM2-135M-Instruct-onnx-genai"
+SMOLLM2_ONNX_DIR = "cpu_and_mobile/cpu-int4-rtn-block-32"
+
+
+#: What a model repo's .gitattributes sends to LFS (the Hub's default list, plus what
+#: GGUF and ONNX repos add); anything over 10 MiB must be LFS on the Hub anyway.
+LFS_SUFFIXES = (".bin", ".onnx", ".data", ".onnx_data", ".gguf", ".safetensors", ".model",
+                ".pt", ".pth", ".msgpack", ".h5", ".npz")
+
+
+def folder_files(folder: Path, under: str = "") -> Files:
+    """Every file of a model folder (real bytes), as repo paths below ``under``."""
+    prefix = f"{under}/" if under else ""
+    out: Files = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            data = p.read_bytes()
+            lfs = p.name.lower().endswith(LFS_SUFFIXES) or len(data) > 10 * 2**20
+            out[prefix + p.relative_to(folder).as_posix()] = FakeFile(data, lfs=lfs)
+    return out
+
+
+def add_smollm2(hub: FakeHub, gguf: Path, *, openvino: Path | None = None,
+                onnx: Path | None = None) -> None:
     """SmolLM2-135M-Instruct as the Hub lays it out: the base repo (weights declared,
-    never served) and a GGUF repo holding a real, runnable file."""
+    never served) and a GGUF repo holding a real, runnable file; given the fixture
+    folders, also an OpenVINO IR repo and an ONNX GenAI repo (real, runnable)."""
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
               "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
               "hidden_size": 576, "max_position_embeddings": 8192}
@@ -644,6 +997,16 @@ def add_smollm2(hub: FakeHub, gguf: Path) -> None:
         f"smollm2-135m-instruct-{quant.lower()}.gguf": FakeFile(gguf.read_bytes(), lfs=True),
         "README.md": _text("# GGUF")}},
         tags=["gguf", f"base_model:quantized:{SMOLLM2}"], downloads=400))
+    if openvino is not None:
+        hub.add(FakeRepo(SMOLLM2_OV, {"main": {
+            **folder_files(openvino), "README.md": _text("# OpenVINO IR")}},
+            tags=["openvino", "text-generation", f"base_model:quantized:{SMOLLM2}"],
+            downloads=50))
+    if onnx is not None:
+        hub.add(FakeRepo(SMOLLM2_ONNX, {"main": {
+            **folder_files(onnx, SMOLLM2_ONNX_DIR), "README.md": _text("# ONNX GenAI")}},
+            tags=["onnx", "text-generation", f"base_model:quantized:{SMOLLM2}"],
+            downloads=40))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,7 @@ from localrun.errors import (
     HubNotFoundError,
     ModelGatedError,
     ModelTooLargeError,
+    NoVariantError,
     OfflineMissingError,
 )
 from localrun.formats.gguf import read_gguf
@@ -108,13 +109,17 @@ def test_onnx_variant_folder(fake: HubFixture) -> None:
 
 
 def test_mmproj_and_imatrix_ignored(fake: HubFixture) -> None:
+    """The repo also holds mmproj-...-f16.gguf (a vision projector) and an .imatrix:
+    neither is a quant of the model, so F16 is not offered and no file of theirs is
+    planned."""
     plan = hub.plan_fetch("bartowski/Qwen2.5-0.5B-Instruct-GGUF", backend="llama.cpp",
-                          quant="F16")  if False else None
-    plan = hub.plan_fetch("bartowski/Qwen2.5-0.5B-Instruct-GGUF", backend="llama.cpp")
-    seen = {o.quant for o in plan.options} | {f.path for f in plan.files}
-    assert not any("mmproj" in str(s).lower() or "imatrix" in str(s).lower() for s in seen)
-    with pytest.raises(Exception, match="F16"):
+                          memory_budget_bytes=8 * GiB)  # a budget: every quant is listed
+    assert sorted(o.quant for o in plan.options) == ["Q4_K_M", "Q6_K", "Q8_0"]
+    assert [f.path for f in plan.files] == ["Qwen2.5-0.5B-Instruct-Q4_K_M.gguf"]
+    with pytest.raises(NoVariantError) as info:
         hub.plan_fetch("bartowski/Qwen2.5-0.5B-Instruct-GGUF:F16", backend="llama.cpp")
+    assert info.value.tried == ["bartowski/Qwen2.5-0.5B-Instruct-GGUF"]
+    assert info.value.hint == "no F16 file; available: Q4_K_M, Q6_K, Q8_0"
 
 
 def test_sharded_quant_downloaded_together(fake: HubFixture) -> None:
@@ -166,32 +171,28 @@ def test_context_refusal_names_largest_context(fake: HubFixture) -> None:
 
 
 def test_resume_after_dropped_connection(fake: HubFixture) -> None:
-    from huggingface_hub import constants
-
-    # The client writes what it received in chunks of this size; small so that the half
-    # file sent before the drop is kept and resumed from (real files span many chunks).
-    fake.monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 1024)
-    fake.hub.drop_once.add((GGUF_REPO, Q4))
     plan = hub.plan_fetch(f"{GGUF_REPO}:Q4_K_M", backend="llama.cpp")
+    fake.hub.drop_once.add((GGUF_REPO, Q4))  # after the plan: its header read is a GET too
     fake.hub.requests.clear()
     seen: list[hub.DownloadProgress] = []
     path = hub.fetch(plan, progress=seen.append)
-    gets = [r for r in fake.hub.resolve_requests("GET") if r["path"].endswith(Q4)]
+    gets = [r for r in fake.hub.cdn_requests("GET") if r["path"].endswith(Q4)]
     assert len(gets) == 2
     assert "Range" not in gets[0]["headers"]
     half = len(_served(fake, GGUF_REPO, Q4)) // 2
     start = int(gets[1]["headers"]["Range"].removeprefix("bytes=").rstrip("-"))
-    assert 0 < start <= half
+    assert start == half  # every byte that arrived was kept
     assert _sha(path) == plan.files[0].sha256
     assert seen and seen[-1].done == seen[-1].total == plan.files[0].size
+    assert all(p.delta > 0 for p in seen)  # nothing counted twice, nothing taken back
 
 
 def test_corrupted_download_is_refetched(fake: HubFixture) -> None:
-    fake.hub.corrupt_once.add((GGUF_REPO, Q4))
     plan = hub.plan_fetch(f"{GGUF_REPO}:Q4_K_M", backend="llama.cpp")
+    fake.hub.corrupt_once.add((GGUF_REPO, Q4))  # after the plan's header read
     fake.hub.requests.clear()
     path = hub.fetch(plan)
-    gets = [r for r in fake.hub.resolve_requests("GET") if r["path"].endswith(Q4)]
+    gets = [r for r in fake.hub.cdn_requests("GET") if r["path"].endswith(Q4)]
     assert len(gets) == 2  # the corrupt copy, then the good one
     assert _sha(path) == plan.files[0].sha256
     assert path.read_bytes() == _served(fake, GGUF_REPO, Q4)
