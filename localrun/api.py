@@ -10,17 +10,30 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import GenerationStats, Prompt, Session
 from localrun.errors import (
     ContextOverflowError,
     GenerationError,
+    IncompleteOutputError,
     LocalrunError,
     ModelBusyError,
     ModelClosedError,
+    StructuredOutputError,
 )
 from localrun.sampling import ResolvedSampling, make_sampling, resolve
+from localrun.structured.calls import ToolCall
+from localrun.structured.formats import has_tool_turns
+from localrun.structured.output import (
+    ChatPlan,
+    OutputProcessor,
+    StructuredRequest,
+    plan_chat,
+    prepare,
+    raw_plan,
+)
 
 if TYPE_CHECKING:
     from localrun.hub import FetchPlan, ProgressCallback
@@ -44,6 +57,17 @@ if TYPE_CHECKING:
     from localrun.batch import BatchInput
 
 
+class _Outcome:
+    """What the structured-output layer adds to a reply; filled before its last chunk."""
+
+    __slots__ = ("error", "parsed", "tool_calls")
+
+    def __init__(self) -> None:
+        self.tool_calls: tuple[ToolCall, ...] = ()
+        self.parsed: Any = None
+        self.error: StructuredOutputError | None = None
+
+
 class Stream:
     """An iterator of :class:`Chunk` for one reply; the last chunk carries usage.
 
@@ -52,9 +76,11 @@ class Stream:
     frees the Model for the next call.
     """
 
-    def __init__(self, chunks: Iterator[Chunk], cancel: CancelToken) -> None:
+    def __init__(self, chunks: Iterator[Chunk], cancel: CancelToken,
+                 outcome: _Outcome | None = None) -> None:
         self._chunks = chunks
         self._cancel = cancel
+        self._outcome = outcome
         self._parts: list[str] = []
         self.completion: Completion | None = None
 
@@ -66,9 +92,9 @@ class Stream:
         self._parts.append(chunk.text)
         if chunk.finish_reason is not None:
             assert chunk.usage is not None and chunk.timings is not None
-            self.completion = Completion(
-                "".join(self._parts), chunk.finish_reason, chunk.usage, chunk.timings
-            )
+            self.completion = _completion(
+                "".join(self._parts), chunk.finish_reason, chunk.usage, chunk.timings,
+                self._outcome)
         return chunk
 
     def cancel(self) -> None:
@@ -86,11 +112,74 @@ class Stream:
         self.close()
 
     def join(self) -> Completion:
-        """Consume the rest of the stream and return the whole Completion."""
+        """Consume the rest of the stream and return the whole Completion.
+
+        Raises :class:`~localrun.errors.IncompleteOutputError` when a reply asked for
+        with ``schema=``/``response_format=`` (or a forced tool call) ended before its
+        JSON was complete; the error's ``completion`` holds what was generated.
+        """
         for _ in self:
             pass
         assert self.completion is not None
+        if self._outcome is not None and self._outcome.error is not None:
+            raise self._outcome.error
         return self.completion
+
+
+def _completion(text: str, finish: Any, usage: Usage, timings: Timings,
+                outcome: _Outcome | None) -> Completion:
+    if outcome is None:
+        return Completion(text, finish, usage, timings)
+    if outcome.tool_calls:
+        text = text.strip()  # what surrounded the calls (newlines between blocks)
+    completion = Completion(text, finish, usage, timings, outcome.tool_calls, outcome.parsed)
+    if isinstance(outcome.error, IncompleteOutputError):
+        outcome.error.completion = completion
+    return completion
+
+
+def encode_prompt(session: Session, messages: list[Message] | None, text: str | None,
+                  plan: ChatPlan | None) -> Prompt:
+    """The prompt tokens of one request: the engine's own chat rendering, or localrun's
+    (a conversation with tools), plus the assistant-turn prefill of a forced call."""
+    if messages is None:
+        return session.encode_text(text or "")
+    if plan is None:
+        return session.encode_chat(messages)
+    if plan.render_here:
+        from localrun.templates import render_chat
+
+        rendered = render_chat(session.chat_template, plan.messages,
+                               bos_token=session.bos_token, eos_token=session.eos_token,
+                               tools=plan.template_tools)
+        return session.encode_rendered(rendered + plan.prefill)
+    prompt = session.encode_chat(plan.messages)  # type: ignore[arg-type]
+    if plan.prefill:
+        if prompt.text is None:
+            raise StructuredOutputError(f"{session.info.backend} gave no rendered prompt to "
+                                        "start a forced tool call from",
+                                        hint="use tool_choice='auto'")
+        return session.encode_rendered(prompt.text + plan.prefill)
+    return prompt
+
+
+def structured_plan(session: Session, messages: list[Message] | None,
+                    structured: StructuredRequest | None) -> ChatPlan | None:
+    """How a request with structured output or tool turns runs on this session."""
+    if messages is None:
+        return raw_plan(structured) if structured is not None else None
+    if structured is None and not has_tool_turns(messages):
+        return None
+    return plan_chat(structured, messages, session.chat_template)
+
+
+def constrained(session: Session, sampling: ResolvedSampling, plan: ChatPlan | None
+                ) -> ResolvedSampling:
+    """``sampling`` with the plan's constraint, once the engine said it can enforce it."""
+    if plan is None or plan.constraint is None:
+        return sampling
+    session.check_constraint(plan.constraint)
+    return replace(sampling, constraint=plan.constraint)
 
 
 class Model:
@@ -112,16 +201,37 @@ class Model:
         messages: str | Sequence[Message],
         *,
         cancel: CancelToken | None = None,
+        response_format: Any = None,
+        schema: Any = None,
+        tools: Sequence[Any] | None = None,
+        tool_choice: Any = None,
         **sampling: Any,
     ) -> Completion:
-        """Reply to a conversation (or a single user message) with the chat template."""
-        return self.stream(messages, cancel=cancel, **sampling).join()
+        """Reply to a conversation (or a single user message) with the chat template.
+
+        Structured output: ``schema=`` a JSON Schema dict or a pydantic model class
+        (``Completion.parsed`` is then the reply as data, or the model instance), or
+        ``response_format=`` in OpenAI's shape (``{"type": "json_object"}``,
+        ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``).
+        Tools: ``tools=`` OpenAI function dicts, Python functions or pydantic models;
+        ``tool_choice=`` "auto" (default), "none", "required" or
+        ``{"type": "function", "function": {"name": ...}}``. Calls come back in
+        ``Completion.tool_calls`` with ``finish_reason="tool_calls"``; send results back
+        as ``{"role": "tool", "tool_call_id": ..., "content": ...}`` messages. Schemas and
+        forced calls are enforced by constrained decoding; an engine that cannot
+        enforce them raises instead of answering unconstrained.
+        """
+        return self.stream(messages, cancel=cancel, response_format=response_format,
+                           schema=schema, tools=tools, tool_choice=tool_choice,
+                           **sampling).join()
 
     def complete(
-        self, prompt: str, *, cancel: CancelToken | None = None, **sampling: Any
+        self, prompt: str, *, cancel: CancelToken | None = None, response_format: Any = None,
+        schema: Any = None, **sampling: Any
     ) -> Completion:
-        """Continue raw text, without the chat template."""
-        return self.stream(prompt, raw=True, cancel=cancel, **sampling).join()
+        """Continue raw text, without the chat template (``schema=`` constrains it too)."""
+        return self.stream(prompt, raw=True, cancel=cancel, response_format=response_format,
+                           schema=schema, **sampling).join()
 
     def stream(
         self,
@@ -129,20 +239,30 @@ class Model:
         *,
         raw: bool = False,
         cancel: CancelToken | None = None,
+        response_format: Any = None,
+        schema: Any = None,
+        tools: Sequence[Any] | None = None,
+        tool_choice: Any = None,
         **sampling: Any,
     ) -> Stream:
         """Stream a reply as :class:`Chunk` objects. ``raw=True`` skips the chat template.
 
         Sampling options: max_tokens, temperature (0 = greedy), top_p, top_k, min_p,
         repetition_penalty, seed, stop. Unset options take the model's own defaults.
+        Structured output and tools as for :meth:`chat`; tool calls stream as
+        ``Chunk.tool_calls`` deltas (a stable ``index``, the id and name first, then
+        argument fragments that concatenate to the call's JSON arguments).
         """
         if raw and not isinstance(messages, str):
             raise LocalrunError("raw=True takes a prompt string", hint="pass the text itself")
         request = make_sampling(**sampling)
+        structured = prepare(response_format, schema, tools, tool_choice)
+        if raw:
+            raw_plan(structured)  # tools need a chat turn: refuse now, not mid-stream
         msgs = None if raw else normalize_messages(messages)
         token = cancel or CancelToken()
         text = messages if isinstance(messages, str) and raw else None
-        return Stream(self._run(msgs, text, request, token), token)
+        return self._stream(msgs, text, request, token, structured)
 
     def batch(
         self,
@@ -150,6 +270,10 @@ class Model:
         *,
         max_concurrency: int | None = None,
         cancel: CancelToken | None = None,
+        response_format: Any = None,
+        schema: Any = None,
+        tools: Sequence[Any] | None = None,
+        tool_choice: Any = None,
         **sampling: Any,
     ) -> list[Completion]:
         """Reply to many prompts; the Completions come back in input order.
@@ -161,11 +285,15 @@ class Model:
         :class:`localrun.batch.BatchError` is raised once all have run: its ``results``
         hold every Completion and each failed item's error. ``cancel`` ends the batch:
         items in flight and those not started finish with ``finish_reason="cancelled"``.
+        ``response_format``/``schema``/``tools``/``tool_choice`` (as for :meth:`chat`)
+        apply to every item.
         """
         from localrun.batch import BatchError
 
         results: dict[int, Completion | LocalrunError] = dict(
-            self.batch_iter(items, max_concurrency=max_concurrency, cancel=cancel, **sampling))
+            self.batch_iter(items, max_concurrency=max_concurrency, cancel=cancel,
+                            response_format=response_format, schema=schema, tools=tools,
+                            tool_choice=tool_choice, **sampling))
         ordered = [results[i] for i in range(len(results))]
         if any(isinstance(r, LocalrunError) for r in ordered):
             raise BatchError(ordered)
@@ -177,18 +305,24 @@ class Model:
         *,
         max_concurrency: int | None = None,
         cancel: CancelToken | None = None,
+        response_format: Any = None,
+        schema: Any = None,
+        tools: Sequence[Any] | None = None,
+        tool_choice: Any = None,
         **sampling: Any,
     ) -> Iterator[tuple[int, Completion | LocalrunError]]:
         """Like :meth:`batch`, but yield ``(index, result)`` as each item finishes.
 
         ``result`` is the item's Completion, or the LocalrunError that item hit (a
-        prompt over the context, an invalid override, an engine failure); the other
-        items go on. Batch-wide mistakes (invalid shared sampling) raise at once.
+        prompt over the context, an invalid override, an engine failure, a reply whose
+        JSON was cut short); the other items go on. Batch-wide mistakes (invalid shared
+        sampling, a malformed schema or tool) raise at once.
         """
         from localrun.batch import run_batch
 
+        structured = prepare(response_format, schema, tools, tool_choice)
         return run_batch(self, items, max_concurrency=max_concurrency, cancel=cancel,
-                         sampling=sampling)
+                         sampling=sampling, structured=structured)
 
     @property
     def defaults(self) -> ResolvedSampling:
@@ -237,26 +371,37 @@ class Model:
             raise ModelBusyError()
         return _Held(self)
 
+    def _stream(self, messages: list[Message] | None, text: str | None, request: Sampling,
+                cancel: CancelToken, structured: StructuredRequest | None = None) -> Stream:
+        outcome = _Outcome() if structured is not None else None
+        return Stream(self._run(messages, text, request, cancel, structured, outcome),
+                      cancel, outcome)
+
     def _run(
         self,
         messages: list[Message] | None,
         text: str | None,
         request: Sampling,
         cancel: CancelToken,
+        structured: StructuredRequest | None = None,
+        outcome: _Outcome | None = None,
     ) -> Iterator[Chunk]:
         with self._hold():
             session = self._live()
             t0 = time.perf_counter()
             sampling = self._resolve(request)
-            prompt = session.encode_chat(messages) if messages is not None else \
-                session.encode_text(text or "")
+            plan = structured_plan(session, messages, structured)
+            prompt = encode_prompt(session, messages, text, plan)
             n_prompt = len(prompt.tokens)
             ctx = session.info.context_length
             if n_prompt >= ctx:
                 raise ContextOverflowError(
                     n_prompt, ctx, trained_context=session.info.trained_context_length
                 )
-            yield from self._generate(session, prompt, sampling, cancel, t0)
+            sampling = constrained(session, sampling, plan)
+            processor = OutputProcessor(plan) if plan is not None and structured is not None \
+                else None
+            yield from self._generate(session, prompt, sampling, cancel, t0, processor, outcome)
 
     def _generate(
         self,
@@ -265,6 +410,8 @@ class Model:
         sampling: ResolvedSampling,
         cancel: CancelToken,
         t0: float,
+        processor: OutputProcessor | None = None,
+        outcome: _Outcome | None = None,
     ) -> Iterator[Chunk]:
         stats = GenerationStats()
         matcher = StopMatcher(sampling.stop)
@@ -280,7 +427,7 @@ class Model:
                     break
                 out, hit = matcher.feed(piece)
                 if out:
-                    yield Chunk(out)
+                    yield from _chunks(processor, out)
                 if hit:
                     finish = "stop"
                     break
@@ -296,7 +443,16 @@ class Model:
             finish = "cancelled" if cancel.cancelled else (stats.finish_reason or "length")
             rest = matcher.flush()
             if rest:
-                yield Chunk(rest)
+                yield from _chunks(processor, rest)
+        if processor is not None:
+            content, deltas = processor.finish()
+            if content or deltas:
+                yield Chunk(content, tool_calls=tuple(deltas))
+            result = processor.result(finish)
+            finish = result.finish_reason or finish
+            if outcome is not None:
+                outcome.tool_calls, outcome.parsed = result.tool_calls, result.parsed
+                outcome.error = result.error
         t_end = time.perf_counter()
         yield Chunk(
             "",
@@ -304,6 +460,15 @@ class Model:
             usage=Usage(len(prompt.tokens), stats.completion_tokens),
             timings=_timings(stats, len(prompt.tokens), t0, t_first, t_end),
         )
+
+
+def _chunks(processor: OutputProcessor | None, text: str) -> Iterator[Chunk]:
+    if processor is None:
+        yield Chunk(text)
+        return
+    content, deltas = processor.feed(text)
+    if content or deltas:
+        yield Chunk(content, tool_calls=tuple(deltas))
 
 
 def _timings(

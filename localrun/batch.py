@@ -17,7 +17,14 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from localrun.api import Stream, _timings
+from localrun.api import (
+    _completion,
+    _Outcome,
+    _timings,
+    constrained,
+    encode_prompt,
+    structured_plan,
+)
 from localrun.backends.base import GenerationStats, Prompt, Session
 from localrun.errors import (
     ContextOverflowError,
@@ -28,6 +35,7 @@ from localrun.errors import (
 )
 from localrun.sampling import ResolvedSampling, make_sampling
 from localrun.stopping import StopMatcher
+from localrun.structured.output import OutputProcessor, StructuredRequest
 from localrun.templates import normalize_messages
 from localrun.types import CancelToken, Completion, Message, Sampling, Timings, Usage
 
@@ -85,9 +93,11 @@ class _Job:
     messages: list[Message] | None  # None: raw text
     text: str | None
     request: Sampling
+    structured: StructuredRequest | None = None
 
 
-def _prepare(index: int, item: object, base: Sampling) -> _Job:
+def _prepare(index: int, item: object, base: Sampling,
+             structured: StructuredRequest | None = None) -> _Job:
     raw = False
     overrides: Mapping[str, Any] = {}
     if isinstance(item, BatchItem):
@@ -98,8 +108,8 @@ def _prepare(index: int, item: object, base: Sampling) -> _Job:
     if raw:
         if not isinstance(value, str):
             raise LocalrunError("raw=True takes a prompt string", hint="pass the text itself")
-        return _Job(index, None, value, request)
-    return _Job(index, normalize_messages(value), None, request)
+        return _Job(index, None, value, request, structured)
+    return _Job(index, normalize_messages(value), None, request, structured)
 
 
 def _not_started() -> Completion:
@@ -114,6 +124,7 @@ def run_batch(
     max_concurrency: int | None,
     cancel: CancelToken | None,
     sampling: Mapping[str, Any],
+    structured: StructuredRequest | None = None,
 ) -> Iterator[tuple[int, BatchResult]]:
     """Validate the batch-wide arguments now; return the iterator of results."""
     if max_concurrency is not None and (
@@ -126,7 +137,7 @@ def run_batch(
     jobs: list[_Job | tuple[int, LocalrunError]] = []
     for i, item in enumerate(list(items)):
         try:
-            jobs.append(_prepare(i, item, base))
+            jobs.append(_prepare(i, item, base, structured))
         except LocalrunError as e:
             jobs.append((i, e))
     return _iterate(model, jobs, max_concurrency, cancel or CancelToken())
@@ -157,7 +168,7 @@ def _in_turn(model: Model, jobs: list[_Job], cancel: CancelToken,
         if cancel.cancelled:
             yield job.index, _not_started()
             continue
-        stream = Stream(model._run(job.messages, job.text, job.request, cancel), cancel)
+        stream = model._stream(job.messages, job.text, job.request, cancel, job.structured)
         try:
             result: BatchResult = stream.join()
         except (ModelClosedError, ModelBusyError):
@@ -183,31 +194,51 @@ class _Seq:
     first: float = 0.0
     hit: bool = False
     done: bool = False
+    processor: OutputProcessor | None = None  # structured output / tool calls
+
+    def add(self, text: str) -> None:
+        if self.processor is not None:
+            text = self.processor.feed(text)[0]
+        self.parts.append(text)
 
 
 def _encode(model: Model, session: Session, job: _Job) -> _Seq:
     sampling = model._resolve(job.request)
-    prompt = (session.encode_chat(job.messages) if job.messages is not None
-              else session.encode_text(job.text or ""))
+    plan = structured_plan(session, job.messages, job.structured)
+    prompt = encode_prompt(session, job.messages, job.text, plan)
     ctx = session.info.context_length
     if len(prompt.tokens) >= ctx:
         raise ContextOverflowError(len(prompt.tokens), ctx,
                                    trained_context=session.info.trained_context_length)
-    return _Seq(job.index, prompt, sampling, StopMatcher(sampling.stop))
+    sampling = constrained(session, sampling, plan)
+    processor = OutputProcessor(plan) if plan is not None and job.structured is not None \
+        else None
+    return _Seq(job.index, prompt, sampling, StopMatcher(sampling.stop), processor=processor)
 
 
-def _finish(seq: _Seq, cancel: CancelToken, t0: float) -> Completion:
+def _finish(seq: _Seq, cancel: CancelToken, t0: float) -> BatchResult:
     seq.done = True
     if seq.hit:
         reason = "stop"
     else:
-        seq.parts.append(seq.matcher.flush())
+        seq.add(seq.matcher.flush())
         reason = ("cancelled" if cancel.cancelled else (seq.stats.finish_reason or "length"))
+    outcome: _Outcome | None = None
+    if seq.processor is not None:
+        seq.parts.append(seq.processor.finish()[0])
+        result = seq.processor.result(reason)
+        reason = result.finish_reason or reason
+        outcome = _Outcome()
+        outcome.tool_calls, outcome.parsed, outcome.error = \
+            result.tool_calls, result.parsed, result.error
     n_prompt = len(seq.prompt.tokens)
     timings = _timings(seq.stats, n_prompt, seq.stats.started or t0, seq.first,
                        time.perf_counter())
-    return Completion("".join(seq.parts), reason,  # type: ignore[arg-type]
-                      Usage(n_prompt, seq.stats.completion_tokens), timings)
+    completion = _completion("".join(seq.parts), reason,
+                             Usage(n_prompt, seq.stats.completion_tokens), timings, outcome)
+    if outcome is not None and outcome.error is not None:
+        return outcome.error
+    return completion
 
 
 def _batched(
@@ -246,7 +277,7 @@ def _batched(
                 if not seq.first:
                     seq.first = time.perf_counter()
                 out, hit = seq.matcher.feed(piece)
-                seq.parts.append(out)
+                seq.add(out)
                 if hit:
                     seq.hit = True
                     seq.cancel.cancel()

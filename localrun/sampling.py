@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from localrun.errors import InvalidSamplingError
+from localrun.structured.constraint import Constraint
 from localrun.types import Sampling
 
 
@@ -30,6 +31,9 @@ class ResolvedSampling:
     repetition_penalty: float
     seed: int | None
     stop: tuple[str, ...]
+    #: what the reply must match (structured output, forced tool calls); set by the API
+    #: from schema=/response_format=/tool_choice, never from the model's defaults
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -147,6 +151,8 @@ def resolve(request: Sampling, model_defaults: Mapping[str, Any] | None = None) 
     defaults = model_defaults or {}
     out: dict[str, Any] = {}
     for f in fields(ResolvedSampling):
+        if f.name == "constraint":
+            continue
         value = getattr(request, f.name)
         if value is None or (f.name == "stop" and not value):
             value = _model_default(f.name, defaults.get(f.name))

@@ -6,7 +6,8 @@ tokenizer_config.json), rendered in a sandbox the way transformers renders them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -29,11 +30,22 @@ def _raise(message: str) -> None:
                         "user/assistant turns to alternate)")
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # transformers' tojson: Jinja's own sorts keys and escapes <, >, & for HTML, which
+    # would change the tool schemas a template renders.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
 @lru_cache(maxsize=16)
 def _compile(source: str) -> Any:
+    from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
@@ -41,19 +53,26 @@ def _compile(source: str) -> Any:
 
 def render_chat(
     template: str | None,
-    messages: Sequence[Message],
+    messages: Sequence[Message] | Sequence[Mapping[str, Any]],
     *,
     bos_token: str = "",
     eos_token: str = "",
     add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """Render ``messages`` with the model's template (ChatML when it has none)."""
+    """Render ``messages`` with the model's template (ChatML when it has none).
+
+    ``tools`` (OpenAI function dicts) go to templates that render them, as transformers'
+    ``apply_chat_template(tools=...)`` passes them.
+    """
+    extra: dict[str, Any] = {} if tools is None else {"tools": list(tools)}
     return str(
         _compile(template or CHATML).render(
             messages=list(messages),
             bos_token=bos_token,
             eos_token=eos_token,
             add_generation_prompt=add_generation_prompt,
+            **extra,
         )
     )
 

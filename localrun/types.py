@@ -6,13 +6,26 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypedDict
 
-FinishReason = Literal["stop", "length", "cancelled"]
+from localrun.structured.calls import ToolCall, ToolCallDelta
+
+#: "tool_calls": the reply is one or more tool calls (``Completion.tool_calls``).
+FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 Role = Literal["system", "user", "assistant", "tool"]
 
 
-class Message(TypedDict):
+class _MessageRequired(TypedDict):
     role: str
-    content: str
+    content: str  # None is accepted for an assistant turn that only calls tools
+
+
+class Message(_MessageRequired, total=False):
+    """A chat turn in OpenAI's shape. Tool turns go back as
+    ``{"role": "tool", "tool_call_id": ..., "content": ...}`` after an assistant turn
+    ``{"role": "assistant", "content": None, "tool_calls": [call.to_dict(), ...]}``."""
+
+    tool_calls: list[dict[str, Any]]
+    tool_call_id: str
+    name: str
 
 
 @dataclass(frozen=True)
@@ -42,23 +55,42 @@ class Timings:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One piece of a streamed reply. The last chunk has finish_reason, usage and timings."""
+    """One piece of a streamed reply. The last chunk has finish_reason, usage and timings.
+
+    ``tool_calls`` holds the tool-call pieces of this chunk: each call's first delta has
+    its ``index``, ``id`` and ``name``, later ones argument fragments (see
+    :class:`ToolCallDelta`).
+    """
 
     text: str
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(frozen=True)
 class Completion:
+    """A whole reply. ``text`` is its content (without the tool calls); ``tool_calls``
+    the calls it made (``finish_reason="tool_calls"``); ``parsed`` the reply's JSON as
+    Python data, or the pydantic model instance, when it was asked for with ``schema=``
+    or ``response_format=``."""
+
     text: str
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    tool_calls: tuple[ToolCall, ...] = ()
+    parsed: Any = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = {k: v for k, v in asdict(self).items() if k not in ("tool_calls", "parsed")}
+        if self.tool_calls:
+            out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        if self.parsed is not None:
+            dump = getattr(self.parsed, "model_dump", None)
+            out["parsed"] = dump(mode="json") if callable(dump) else self.parsed
+        return out
 
 
 @dataclass(frozen=True)

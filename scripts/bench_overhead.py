@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from localrun.bench import GREEDY, exact_prompt
 
-MANIFEST = Path("~/.cache/localrun/test-models/manifest.json").expanduser()
+MANIFEST = Path(os.environ.get("LOCALRUN_TEST_MODELS") or "~/.cache/localrun/test-models"
+               ).expanduser() / "manifest.json"
 FIXTURE_KEYS = {"llama.cpp": "gguf-q4_1", "mlx": "mlx-4bit", "openvino": "openvino-int4",
                 "onnx": "onnx-int4"}
 
@@ -72,7 +73,7 @@ def direct_llama_cpp(path: str, n_ctx: int, threads: int) -> Callable[[str, int]
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads,
-                          n_threads_batch=threads, n_gpu_layers=-1, verbose=False)
+                          n_gpu_layers=-1, verbose=False)
     eos = llm.token_eos()
 
     def pieces(text: str, n_tokens: int) -> Iterator[bytes]:
@@ -216,10 +217,9 @@ def measure(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     assert path is not None
     threads = args.threads or default_threads()
     n_ctx = args.prompt_tokens + args.tokens + 16
-    # The same threads for prompt batches too: llama-cpp-python's n_threads_batch
-    # defaults to every CPU, which on a busy 2-core host makes prefill swing by seconds.
-    opts: dict[str, Any] = ({"threads": threads, "n_threads_batch": threads}
-                            if backend == "llama.cpp" else {})
+    # Both paths set n_threads and leave n_threads_batch at llama-cpp-python's default,
+    # as localrun does (it takes no n_threads_batch engine option).
+    opts: dict[str, Any] = {"threads": threads} if backend == "llama.cpp" else {}
     model = localrun.load(path, backend=backend, context=n_ctx, **opts)
     direct = DIRECT[backend](path, n_ctx, threads)
     ours = via_localrun(model)

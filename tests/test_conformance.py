@@ -290,16 +290,30 @@ def _damaged_copy(src: Path, dst: Path, name: str, how: str) -> Path:
                          ids=[f"{b}-{n or 'file'}-{h}" for b, _, n, h in DAMAGE_CASES])
 def test_damaged_model_is_typed_error(backend: str, fixture: str, name: str, how: str,
                                       tmp_path: Path) -> None:
+    """Caught before the engine sees the files: no engine exception is the cause, and a
+    truncated file is named with the size its model's metadata needs and the size on
+    disk (the fixtures' metadata covers each weight file to its last byte, so the size
+    needed is the undamaged file's)."""
     _skip_unless_installed(backend)
-    bad = _damaged_copy(test_model(fixture), tmp_path, name, how)
+    src = test_model(fixture)
+    bad = _damaged_copy(src, tmp_path, name, how)
+    full = (src / name if name else src).stat().st_size
+    errors = []
     # straight to the backend: its own checks run before the engine is touched...
     with pytest.raises(ModelFileError) as info:
         get_backend(backend).load(LoadRequest(str(bad), FORMATS[fixture], context=256))
-    if name and how == "missing":
-        assert name in str(info.value)
+    errors.append(info.value)
     # ...and through localrun.load (format detection first)
-    with pytest.raises(ModelFileError):
+    with pytest.raises(ModelFileError) as info:
         localrun.load(str(bad), backend=backend, context=256)
+    errors.append(info.value)
+    for err in errors:
+        assert err.__cause__ is None, f"the engine saw the files: {err.__cause__!r}"
+        if how == "missing":
+            assert name in str(err)
+        else:
+            assert f"{full // 2:,} bytes on disk" in str(err)
+            assert f"needs {full:,}" in str(err)
 
 
 def test_process_survives_damage_then_loads(tmp_path: Path) -> None:

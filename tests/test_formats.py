@@ -231,3 +231,195 @@ def test_resolve_warns_on_loads_pairing(default_gguf: Path, tmp_path: Path) -> N
     with pytest.warns(UnoptimizedFormatWarning, match="openvino runs GGUF"):
         t = resolve_local(str(default_gguf), backend="openvino", allow_unoptimized=True)
     assert t.support == "loads"
+
+
+# -- sizes from the model's own metadata (formats/integrity.py) --------------------------
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _pb(num: int, payload: bytes | int) -> bytes:
+    """One protobuf field: an int is a varint (wire type 0), bytes are length-delimited."""
+    if isinstance(payload, int):
+        return _varint(num << 3) + _varint(payload)
+    return _varint(num << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _tensor(name: str, dims: tuple[int, ...], dtype: int, location: str | None = None,
+            offset: int = 0, length: int | None = None, packed: bool = False) -> bytes:
+    """An ONNX TensorProto, its data in ``location`` (external) or inline (raw_data)."""
+    t = _pb(1, b"".join(_varint(d) for d in dims)) if packed else \
+        b"".join(_pb(1, d) for d in dims)
+    t += _pb(2, dtype) + _pb(8, name.encode())
+    if location is None:
+        return t + _pb(9, b"\0" * 64)
+    entries = [("location", location), ("offset", str(offset))]
+    if length is not None:
+        entries.append(("length", str(length)))
+    for k, v in entries:
+        t += _pb(13, _pb(1, k.encode()) + _pb(2, v.encode()))
+    return t + _pb(14, 1)
+
+
+def _onnx_model(data: str = "model.onnx.data") -> bytes:
+    """A ModelProto whose external tensors sit in every place ONNX allows them."""
+    body = _pb(5, _tensor("in_if", (4,), 1, data, 4096, 16))  # subgraph initializer
+    graph = (_pb(5, _tensor("w", (32, 16), 1, data, 0, 2048))  # float32, 2048 B
+             + _pb(5, _tensor("inline", (16,), 1))  # embedded: not a file to check
+             + _pb(5, _tensor("q", (100,), 22, data, 2048, packed=True))  # int4, no length
+             + _pb(15, _pb(1, _tensor("sv", (8,), 10, data, 2100, 16)))  # sparse values
+             + _pb(1, _pb(4, b"Constant") + _pb(5, _pb(1, b"value")
+                                                  + _pb(5, _tensor("c", (2,), 7, data, 2200))))
+             + _pb(1, _pb(4, b"If") + _pb(5, _pb(1, b"then_branch") + _pb(6, body))))
+    return _pb(1, 8) + _pb(7, graph)
+
+
+def _onnx_folder(tmp: Path, data_bytes: int) -> Path:
+    d = tmp / "cpu-int4"
+    d.mkdir()
+    (d / "genai_config.json").write_text(json.dumps(
+        {"model": {"type": "llama", "decoder": {"filename": "model.onnx"}}}))
+    (d / "model.onnx").write_bytes(_onnx_model())
+    (d / "model.onnx.data").write_bytes(b"\0" * data_bytes)
+    return d
+
+
+def test_onnx_external_data_found_everywhere(tmp_path: Path) -> None:
+    from localrun.formats.integrity import ExternalData, onnx_external_data
+
+    d = _onnx_folder(tmp_path, 4112)
+    got = onnx_external_data(d / "model.onnx")
+    assert sorted(got, key=lambda e: e.offset) == [
+        ExternalData("model.onnx.data", 0, 2048),
+        ExternalData("model.onnx.data", 2048, 50),  # 100 int4 values, length from dims
+        ExternalData("model.onnx.data", 2100, 16),
+        ExternalData("model.onnx.data", 2200, 16),  # 2 int64, length from dims
+        ExternalData("model.onnx.data", 4096, 16),  # inside the If node's subgraph
+    ]
+    assert detect(d).format == "onnx"  # 4112 bytes: exactly what the entries need
+
+
+def test_onnx_truncated_external_data_named_with_sizes(tmp_path: Path) -> None:
+    d = _onnx_folder(tmp_path, 4111)  # one byte short of the subgraph's tensor
+    with pytest.raises(ModelFileError) as info:
+        detect(d)
+    msg = str(info.value)
+    assert "model.onnx.data" in msg and "4,111 bytes on disk" in msg and "needs 4,112" in msg
+    assert info.value.__cause__ is None
+    (d / "model.onnx.data").unlink()
+    with pytest.raises(ModelFileError, match=re.escape("model.onnx.data, which is missing")):
+        detect(d)
+
+
+def test_onnx_protobuf_cut_short_is_damaged(tmp_path: Path) -> None:
+    d = _onnx_folder(tmp_path, 4112)
+    raw = _onnx_model()
+    (d / "model.onnx").write_bytes(raw[: len(raw) - 7])
+    with pytest.raises(ModelFileError, match="ONNX model is damaged or truncated"):
+        detect(d)
+    (d / "model.onnx").write_bytes(b"")
+    with pytest.raises(ModelFileError, match="empty"):
+        detect(d)
+
+
+OV_IR = """<?xml version="1.0"?>
+<net name="m" version="11"><layers>
+  <layer id="0" name="a" type="Const" version="opset1">
+    <data element_type="u4" shape="64" offset="0" size="32"/></layer>
+  <layer id="1" name="loop" type="TensorIterator" version="opset1"><body><layers>
+    <layer id="2" name="b" type="Const" version="opset1">
+      <data element_type="f32" shape="10" offset="32" size="40"/></layer>
+  </layers></body></layer>
+  <layer id="3" name="p" type="Parameter" version="opset1">
+    <data shape="?" element_type="i64" offset="9999" size="9999"/></layer>
+</layers></net>
+"""
+
+
+def _ov_folder(tmp: Path, model_bin: int) -> Path:
+    d = tmp / "ov-int4"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    for n in ("openvino_model", "openvino_tokenizer", "openvino_detokenizer"):
+        (d / f"{n}.xml").write_text(OV_IR)
+        (d / f"{n}.bin").write_bytes(b"\0" * 72)
+    (d / "openvino_model.bin").write_bytes(b"\0" * model_bin)
+    return d
+
+
+def test_openvino_bin_checked_against_const_layers(tmp_path: Path) -> None:
+    from localrun.formats.integrity import openvino_bin_extent
+
+    d = _ov_folder(tmp_path, 72)
+    # Const layers only (a Parameter's attributes are not weights), nested bodies included
+    assert openvino_bin_extent(d / "openvino_model.xml") == 72
+    assert detect(d).format == "openvino"
+    (d / "openvino_model.bin").write_bytes(b"\0" * 71)
+    with pytest.raises(ModelFileError) as info:
+        detect(d)
+    msg = str(info.value)
+    assert "openvino_model.bin" in msg and "71 bytes on disk" in msg and "needs 72" in msg
+    assert info.value.__cause__ is None
+
+
+def test_openvino_tokenizer_bin_and_xml_damage(tmp_path: Path) -> None:
+    d = _ov_folder(tmp_path, 72)
+    (d / "openvino_detokenizer.bin").write_bytes(b"\0" * 40)
+    with pytest.raises(ModelFileError, match=r"openvino_detokenizer\.bin.*40 bytes on disk"):
+        detect(d)
+    (d / "openvino_detokenizer.bin").write_bytes(b"\0" * 72)
+    (d / "openvino_model.xml").write_text(OV_IR[:200])
+    with pytest.raises(ModelFileError, match="OpenVINO IR is damaged or truncated"):
+        detect(d)
+
+
+def test_second_gguf_shard_truncated(tmp_path: Path, default_gguf: Path) -> None:
+    """Each shard of a split GGUF has its own tensor table: all are checked, not the first."""
+    d = tmp_path / "s"
+    d.mkdir()
+    data = default_gguf.read_bytes()
+    (d / "m-00001-of-00002.gguf").write_bytes(data)
+    (d / "m-00002-of-00002.gguf").write_bytes(data[:-1])
+    with pytest.raises(ModelFileError) as info:
+        detect(d)
+    msg = str(info.value)
+    assert "m-00002-of-00002.gguf" in msg
+    assert f"{len(data) - 1:,} bytes on disk" in msg and f"needs {len(data):,}" in msg
+
+
+def test_second_safetensors_shard_truncated(tmp_path: Path) -> None:
+    d = folder(tmp_path, "sh2", {**CONFIG, "quantization": {"bits": 4, "group_size": 64}}, {})
+    for i in (1, 2):
+        write_safetensors_header(d / f"model-0000{i}-of-00002.safetensors", W)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert detect(d).format == "mlx"
+    last = d / "model-00002-of-00002.safetensors"
+    last.write_bytes(last.read_bytes()[:-1])
+    with pytest.raises(ModelFileError, match=r"00002-of-00002\.safetensors.*truncated"):
+        detect(d)
+
+
+@pytest.mark.parametrize(("fixture", "weights"), [("onnx-int4", "model.onnx.data"),
+                                                  ("openvino-int4", "openvino_model.bin")])
+def test_fixture_metadata_reaches_the_last_byte(fixture: str, weights: str) -> None:
+    """On the real converted models the reader finds the tensor that ends the file
+    (the converters pack weights with no tail), so a cut of one byte is caught."""
+    from localrun.formats import integrity
+    from tests.models import test_model
+
+    d = test_model(fixture)
+    if fixture == "onnx-int4":
+        entries = integrity.onnx_external_data(d / "model.onnx")
+        assert len(entries) > 100  # every MatMulNBits weight, scale and embedding
+        extent = max(e.offset + (e.length or 0) for e in entries)
+    else:
+        extent = integrity.openvino_bin_extent(d / "openvino_model.xml")
+    assert extent == (d / weights).stat().st_size

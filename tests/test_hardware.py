@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -83,15 +84,41 @@ def test_gfx_target_decoding() -> None:
     assert hw.gfx_target(90402) == "gfx942"
 
 
+def _cpuinfo_by_hand(text: str) -> tuple[str | None, str | None, int, int | None]:
+    """(vendor, model, logical CPUs, physical cores) read with plain string operations,
+    independently of hw.parse_cpuinfo: what the tests compare detect_hardware() with."""
+    blocks = [b for b in text.split("\n\n") if b.strip()]
+    fields = [dict((k.strip(), v.strip()) for k, _, v in
+                   (line.partition(":") for line in b.splitlines())) for b in blocks]
+    cpus = [f for f in fields if "processor" in f]
+    first = cpus[0] if cpus else {}
+    # physical cores: distinct (physical id, core id) pairs (x86); ARM lists none
+    cores = {(f.get("physical id", "0"), f["core id"]) for f in cpus if "core id" in f}
+    model = first.get("model name") or next(
+        (f["Model"] for f in fields if "Model" in f), None)
+    return first.get("vendor_id"), model, len(cpus), len(cores) or None
+
+
+def test_cpuinfo_by_hand_reads_the_samples() -> None:
+    """Guard for the independent reader: right on the known samples above."""
+    assert _cpuinfo_by_hand(X86) == ("AuthenticAMD", "AMD EPYC 7763 64-Core Processor", 3, 2)
+    assert _cpuinfo_by_hand(ARM) == (None, "Raspberry Pi 5 Model B Rev 1.0", 2, None)
+
+
 def test_this_machine_matches_proc_cpuinfo() -> None:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else None
-    if text is None:
+    if not Path("/proc/cpuinfo").exists():
         pytest.skip("no /proc/cpuinfo on this OS")
+    vendor, model, logical, physical = _cpuinfo_by_hand(Path("/proc/cpuinfo").read_text())
     p = detect_hardware()
-    parsed = hw.parse_cpuinfo(text, p.arch)
-    assert (p.cpu.vendor, p.cpu.model) == (parsed.vendor, parsed.model)
-    assert p.cpu.logical_cores == parsed.logical_cores
-    assert p.ram_total and p.ram_total > 256 * 1024**2
+    assert (p.cpu.vendor, p.cpu.model) == (vendor, model)
+    assert p.cpu.logical_cores == logical
+    if physical is not None:
+        assert p.cpu.physical_cores == physical
+    # /proc/cpuinfo lists every CPU the kernel brought online; so does os.cpu_count()
+    assert logical == os.cpu_count()
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    total_kb = int(next(line.split()[1] for line in meminfo if line.startswith("MemTotal:")))
+    assert p.ram_total == total_kb * 1024
     assert detect_hardware() is p  # cached per process
 
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from localrun import memory
@@ -9,11 +11,32 @@ from tests.hubserver import gguf_bytes
 QWEN = ModelShape(n_layers=24, n_kv_heads=2, head_dim=64, trained_context=32768)
 
 
+#: SmolLM2-135M-Instruct (its config.json: 30 layers, 9 heads of which 3 KV heads,
+#: hidden 576 -> head_dim 64, 8192 positions), the model of the test fixtures
+SMOLLM2 = ModelShape(n_layers=30, n_kv_heads=3, head_dim=64, trained_context=8192)
+
+
 def test_kv_cache_formula() -> None:
-    # layers x KV heads x head dim x context x 2 (K and V) x 2 bytes (f16)
-    assert memory.kv_cache_bytes(QWEN, 1000) == 24 * 2 * 64 * 1000 * 2 * 2
-    est = memory.estimate(10**9, QWEN, 4096)
-    assert est.total_bytes == 10**9 + est.kv_cache_bytes + memory.overhead_bytes(10**9)
+    # 2 (K and V) x 30 layers x 3 KV heads x 64 head dim x 2 bytes (f16) = 23,040 B/token
+    assert memory.kv_cache_bytes(SMOLLM2, 1) == 23_040
+    assert memory.kv_cache_bytes(SMOLLM2, 8192) == 188_743_680  # 180 MiB
+    assert memory.kv_cache_bytes(SMOLLM2, 8192) == 180 * 2**20
+    assert memory.kv_cache_bytes(SMOLLM2, 8192, 4) == 360 * 2**20  # f32 elements
+    # Qwen2.5-0.5B: 2 x 24 x 2 x 64 x 2 B = 12,288 B/token
+    assert memory.kv_cache_bytes(QWEN, 1000) == 12_288_000
+    est = memory.estimate(10**9, SMOLLM2, 4096)
+    assert est.kv_cache_bytes == 90 * 2**20
+    # overhead: 256 MiB fixed + 5% of the weights
+    assert est.overhead_bytes == 256 * 2**20 + 50_000_000
+    assert est.total_bytes == 10**9 + 90 * 2**20 + 256 * 2**20 + 50_000_000
+
+
+def test_smollm2_shape_read_from_the_real_gguf(default_gguf: Path) -> None:
+    """The shape the formula above uses is what the embedded GGUF's header says."""
+    with default_gguf.open("rb") as f:
+        head = f.read(4 << 20)
+    meta = memory.gguf_metadata_from_bytes(head)
+    assert memory.shape_from_gguf_metadata(meta) == SMOLLM2
 
 
 def test_max_context() -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from localrun.sampling import ResolvedSampling
+from localrun.structured.constraint import Constraint
 from localrun.types import CancelToken, FinishReason, Message, ModelInfo
 
 
@@ -73,6 +74,9 @@ class Session(ABC):
     ) -> Iterator[str]:
         """Yield text pieces, one per generated token (possibly empty strings).
 
+        A ``sampling.constraint`` (only ever set after :meth:`check_constraint` passed)
+        must be enforced on every token.
+
         Must stop at end-of-sequence (finish_reason "stop") or after
         ``sampling.max_tokens`` / at the context's end ("length"), keep ``stats``
         current as it goes, and clean up when closed early.
@@ -80,6 +84,27 @@ class Session(ABC):
 
     #: True when :meth:`generate_batch` runs several sequences at once in the engine
     supports_batch: bool = False
+
+    # -- structured output and tools (localrun.structured) ---------------------------------
+    #: the model's own chat template source, and the BOS/EOS texts it renders with: the API
+    #: renders it itself (localrun.templates) when a conversation carries tools
+    chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def encode_rendered(self, text: str) -> Prompt:
+        """Tokenize a chat prompt localrun rendered itself, adding no special tokens (the
+        rendered template holds the ones it wants)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot tokenize a rendered prompt")
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Raise unless :meth:`generate` will enforce ``sampling.constraint``: a typed
+        error (ConstrainedDecodingUnavailableError, UnsupportedSchemaError) before any
+        token is generated, never unconstrained output."""
+        from localrun.errors import ConstrainedDecodingUnavailableError
+
+        raise ConstrainedDecodingUnavailableError(
+            self.info.backend, "localrun has no constrained decoding for this engine")
 
     def generate_batch(
         self,

@@ -35,6 +35,9 @@ from localrun.memory import (
     shape_from_gguf_metadata,
 )
 from localrun.sampling import ResolvedSampling
+from localrun.structured.constraint import Constraint
+from localrun.structured.engines import LazyGrammar, llama_cpp_processors
+from localrun.structured.grammar import tokenizer_from_llama
 from localrun.templates import render_chat
 from localrun.types import CancelToken, Message, ModelInfo
 
@@ -205,6 +208,9 @@ class LlamaCppSession(Session):
         self._bos = _token_text(model, self._llm.token_bos())
         self._eos = _token_text(model, self._llm.token_eos())
         self._template = gguf.chat_template
+        self.chat_template, self.bos_token, self.eos_token = \
+            gguf.chat_template, self._bos, self._eos
+        self._grammar = LazyGrammar("llama.cpp", self._llg_tokenizer, self._llm.n_vocab())
         self.sampling_defaults = dict(gguf.sampling_defaults)
         self.info = ModelInfo(
             backend="llama.cpp",
@@ -251,6 +257,19 @@ class LlamaCppSession(Session):
         tokens: list[int] = self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
         return Prompt(tokens, text)
 
+    def encode_rendered(self, text: str) -> Prompt:
+        return Prompt(self._tokenize(text), text)
+
+    # -- constrained decoding (llguidance through logits_processor) ---------------------
+
+    def _llg_tokenizer(self) -> Any:
+        vocab = self._vocab
+        eog = [t for t in range(self._llm.n_vocab()) if self._lc.llama_vocab_is_eog(vocab, t)]
+        return tokenizer_from_llama(vocab, eog)
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        self._grammar.check(constraint)
+
     # -- generation -------------------------------------------------------------------
 
     def generate(
@@ -268,6 +287,7 @@ class LlamaCppSession(Session):
         to_piece = self._piece
         is_eog = lc.llama_vocab_is_eog
         vocab = self._vocab
+        mask = self._grammar.mask(sampling.constraint) if sampling.constraint else None
         tokens = llm.generate(
             prompt.tokens,
             top_k=sampling.top_k,
@@ -279,12 +299,15 @@ class LlamaCppSession(Session):
             frequency_penalty=0.0,
             presence_penalty=0.0,
             mirostat_mode=0,
+            logits_processor=llama_cpp_processors(mask) if mask is not None else None,
         )
         try:
             for n, token in enumerate(tokens, 1):
                 if is_eog(vocab, token):
                     stats.finish_reason = "stop"
                     break
+                if mask is not None:
+                    mask.consume(token)
                 stats.completion_tokens = n
                 yield decoder.decode(to_piece(token))
                 if n >= limit or cancel.cancelled:

@@ -60,6 +60,7 @@ from localrun.errors import (
     LocalrunError,
     ModelFileError,
 )
+from localrun.formats.integrity import check_onnx_genai
 from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
 from localrun.types import CancelToken, Message, ModelInfo
@@ -85,6 +86,7 @@ def _check_files(folder: Path) -> dict[str, Any]:
         raise ModelFileError(str(folder / "genai_config.json"), "no model.decoder.filename",
                              hint=BUILD_HINT)
     require_files(folder, (filename,), what="ONNX Runtime GenAI", hint=BUILD_HINT)
+    check_onnx_genai(folder)  # the external data against the .onnx files' own entries
     names = {p.name for p in folder.iterdir()}
     if not names & {"tokenizer.json", "tokenizer.model", "tokenizer_config.json"}:
         raise ModelFileError(str(folder), "ONNX Runtime GenAI model has no tokenizer "

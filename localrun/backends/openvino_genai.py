@@ -62,6 +62,7 @@ from localrun.errors import (
     LocalrunError,
     ModelFileError,
 )
+from localrun.formats.integrity import check_openvino_ir
 from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
 from localrun.types import CancelToken, FinishReason, Message, ModelInfo
@@ -209,6 +210,7 @@ class OpenVINOSession(Session):
             self.sampling_defaults = dict(meta.sampling_defaults)
         else:
             require_files(path, REQUIRED_FILES, what="OpenVINO IR", hint=TOKENIZER_HINT)
+            check_openvino_ir(path)  # each .bin against its IR's Const layers
             config = read_json(path / "config.json")
             gen_config = read_json(path / "generation_config.json")
             trained = trained_context(config)

@@ -14,8 +14,16 @@ def list_models(
 ) -> None:
     """List downloaded models: name, format, quant, size, location and the engine that runs it.
 
-    A model downloaded by an alias or a base repo id shows that name too (it runs by it,
-    offline included), e.g. ``qwen2.5:0.5b`` above ``Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M``.
+    Models in the Hugging Face cache, Ollama's and LM Studio's stores, and
+    the embedded default model. A model downloaded by an alias or a base repo
+    id shows that name too (it runs by it, offline included), e.g.
+    qwen2.5:0.5b above Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M.
+
+    Examples:
+
+      localrun list
+
+      localrun list --json
     """
     from dataclasses import asdict
 
@@ -57,7 +65,16 @@ def rm(
                                          "one quant) or alias.")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
 ) -> None:
-    """Remove a model from the Hugging Face cache (only what belongs to it)."""
+    """Remove a model from the Hugging Face cache (only what belongs to it).
+
+    Lists the files and the space freed, then asks; --yes skips the question.
+
+    Examples:
+
+      localrun rm qwen2.5:0.5b
+
+      localrun rm Qwen/Qwen2.5-7B-Instruct-GGUF:Q5_K_M --yes
+    """
     from localrun import hub
 
     removal = hub.plan_removal(model)

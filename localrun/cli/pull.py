@@ -25,9 +25,9 @@ def pull(
 ) -> None:
     """Show the plan (repo, files, sizes, memory fit), then download with progress.
 
-    Refuses before downloading when the model does not fit. What the name resolved to
-    (repo, commit, files) is remembered, so `localrun run` with the same name works
-    offline; `localrun list` shows it.
+    Refuses before downloading when the model does not fit. What the name
+    resolved to (repo, commit, files) is remembered, so `localrun run` with
+    the same name works offline; `localrun list` shows it.
 
     Examples:
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from localrun.errors import ModelFileError
 from localrun.formats.gguf import is_gguf, read_gguf
+from localrun.formats.integrity import check_model_files
 from localrun.formats.safetensors import SafetensorsHeader, read_safetensors_header
 
 #: quantization_config.quant_method -> format
@@ -68,7 +69,15 @@ def _json(path: Path) -> dict[str, Any]:
 
 
 def detect(path: str | os.PathLike[str]) -> DetectedModel:
-    """Detect the format of a model file or folder; raise ModelFileError if unusable."""
+    """Detect the format of a model file or folder; raise ModelFileError if unusable,
+    including a weight file shorter than the model's own metadata says (integrity.py):
+    a truncated download is refused here, before any engine opens it."""
+    found = _detect(path)
+    check_model_files(found.path, found.format)
+    return found
+
+
+def _detect(path: str | os.PathLike[str]) -> DetectedModel:
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelFileError(str(p), "no such file or folder")
