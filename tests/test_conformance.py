@@ -109,6 +109,51 @@ def test_greedy_answers_are_mostly_right(case: Any) -> None:
     assert len(right) >= MIN_CORRECT, json.dumps(replies, indent=1)
 
 
+def test_openvino_int4_has_the_same_weights_as_the_q4_1_gguf() -> None:
+    """The OpenVINO fixture is the Q4_1 GGUF exported to IR: its next-token
+    distributions must be llama.cpp's on that GGUF, at every position of a chat prompt.
+
+    OpenVINO GenAI's GGUF reader rounds each Q4_1 block's minimum to an integer zero
+    point; the fixture puts the exact minimums back (scripts/make_test_models.py). With
+    the rounded ones the mean KL divergence was 0.79 and the top token agreed at 63 % of
+    positions ("A dog has five legs."); with the exact ones 0.007 and 96 % (at the CPU's
+    default bf16 compute; transformers on the dequantized weights: 0.005 and 98 %).
+    """
+    _skip_unless_installed("openvino")
+    _skip_unless_installed("llama.cpp")
+    import numpy as np
+    import openvino
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(test_model("gguf-q4_1")), n_ctx=256, logits_all=True,
+                verbose=False)
+    # the chat rendering of SmolLM2's template (its default system prompt included)
+    text = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+            "Hugging Face<|im_end|>\n<|im_start|>user\nHow many legs does a dog have?"
+            "<|im_end|>\n<|im_start|>assistant\n")
+    tokens = llm.tokenize(text.encode(), add_bos=False, special=True)
+    llm.eval(tokens)
+    want = np.asarray(llm.scores[: len(tokens)], dtype=np.float64)
+    del llm
+    ov_model = openvino.Core().compile_model(
+        str(test_model("openvino-int4") / "openvino_model.xml"), "CPU")
+    n = len(tokens)
+    out = ov_model({"input_ids": np.asarray([tokens], dtype=np.int64),
+                    "attention_mask": np.ones((1, n), dtype=np.int64),
+                    "position_ids": np.arange(n, dtype=np.int64)[None],
+                    "beam_idx": np.zeros(1, dtype=np.int32)})
+    got = np.asarray(out[ov_model.output(0)][0], dtype=np.float64)
+
+    def log_softmax(x: Any) -> Any:
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    p, q = log_softmax(want), log_softmax(got)
+    kl = (np.exp(p) * (p - q)).sum(-1)
+    top = float((want.argmax(-1) == got.argmax(-1)).mean())
+    assert float(kl.mean()) < 0.05 and top >= 0.9, (float(kl.mean()), float(kl.max()), top)
+
+
 def test_info_names_engine_and_version(case: Any) -> None:
     backend, fixture, path, model = case
     info = model.info
@@ -199,16 +244,30 @@ def test_prompt_tokens_match_tokenizers(case: Any, reference: Any, conv: int) ->
 # -- concurrency and cancellation ------------------------------------------------------
 
 
+#: Prompts whose first greedy tokens differ from each other: a reply handed to the wrong
+#: caller, or one garbled by another thread's call, shows as a mismatch.
+THREAD_PROMPTS = ("What is 2+2?", "What is the opposite of hot?",
+                  "How many legs does a dog have?", "What color is the sky on a clear day?",
+                  "Name a fruit.", "What do bees make?", "What is the capital of France?",
+                  "Name a planet.")
+
+
 def test_four_threads_share_one_model(case: Any) -> None:
-    model = case[3]
-    results: list[str] = []
+    """Calls from 4 threads queue on one Model: each thread gets, for each prompt, the
+    very reply that prompt gets alone (greedy), with the same token counts."""
+    backend, model = case[0], case[3]
+    # MLX decodes ~5 tokens/s on the CI CPU: one prompt per thread there, two elsewhere.
+    prompts = THREAD_PROMPTS[:4] if backend == "mlx" else THREAD_PROMPTS
+    greedy: dict[str, Any] = {"temperature": 0, "max_tokens": 5}
+    alone = {p: model.chat(p, **greedy) for p in prompts}
+    assert len({c.text for c in alone.values()}) >= len(prompts) - 2, alone
+    got: dict[str, Any] = {}
     errors: list[BaseException] = []
 
     def work(i: int) -> None:
         try:
-            for j in range(3):
-                results.append(model.chat(f"Say the number {i * 3 + j}.", temperature=0,
-                                          max_tokens=4).finish_reason)
+            for p in prompts[i::4]:
+                got[p] = model.chat(p, **greedy)
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -218,7 +277,31 @@ def test_four_threads_share_one_model(case: Any) -> None:
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
-    assert len(results) == 12
+    assert {p: (c.text, c.usage) for p, c in got.items()} == \
+        {p: (c.text, c.usage) for p, c in alone.items()}
+
+
+def test_stream_cancel_from_another_thread(case: Any) -> None:
+    """``stream.cancel()`` called from another thread mid-stream ends the reply as
+    "cancelled" with the text streamed so far; the Model then answers as before."""
+    model = case[3]
+    before = model.chat("What is 2+2?", temperature=0, max_tokens=4)
+    stream = model.stream("Write a very long story about the sea.", temperature=0,
+                          max_tokens=300)
+    streaming = threading.Event()
+    canceller = threading.Thread(target=lambda: streaming.wait(300) and stream.cancel())
+    canceller.start()
+    pieces = []
+    for chunk in stream:
+        pieces.append(chunk.text)
+        if len(pieces) == 2:
+            streaming.set()
+    canceller.join(timeout=60)
+    c = stream.completion
+    assert c is not None and c.finish_reason == "cancelled"
+    assert 2 <= c.usage.completion_tokens < 100 and c.text == "".join(pieces)
+    after = model.chat("What is 2+2?", temperature=0, max_tokens=4)
+    assert (after.text, after.usage) == (before.text, before.usage)
 
 
 def test_cancel_mid_stream_keeps_model_usable(case: Any) -> None:

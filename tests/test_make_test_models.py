@@ -115,6 +115,8 @@ EXPECTED = {
     "mlx-4bit": ("mlx", "4bit"),
     "openvino-int4": ("openvino", None),
     "onnx-int4": ("onnx", "int4"),
+    "minilm-gguf": ("gguf", "F16"),
+    "minilm-openvino": ("openvino", None),
 }
 
 

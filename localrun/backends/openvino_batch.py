@@ -118,6 +118,37 @@ class ContinuousBatcher:
                 pipe.step()
 
 
+def batch_properties(props: dict[str, Any], device: str,
+                     compute: str | None = None) -> dict[str, Any]:
+    """The session's load properties, as ContinuousBatchingPipeline takes them.
+
+    That pipeline is paged attention only, and the CPU plugin refuses ATTENTION_BACKEND
+    (it is LLMPipeline's). Paged attention on the CPU takes a KV cache of the compute
+    precision or a quantized one: the single-sequence pipeline's f32 cache only where
+    the CPU computes in f32 ("expect kvcache type bf16" on AVX-512 BF16/AMX). Elsewhere
+    the cache takes the compute precision (``compute``; by default the hint given, else
+    the plugin's), which keeps keys and values as computed, as the f32 cache does; the
+    engine's own default, u8, quantizes them, and greedy replies then left the
+    single-sequence ones as early as their first token.
+    """
+    out = dict(props)
+    out.pop("ATTENTION_BACKEND", None)
+    if device.startswith("CPU") and out.get("KV_CACHE_PRECISION") == "f32":
+        precision = compute or _cpu_precision(out.get("INFERENCE_PRECISION_HINT"))
+        if precision != "f32":
+            out["KV_CACHE_PRECISION"] = precision
+    return out
+
+
+def _cpu_precision(hint: Any) -> str:
+    """The CPU plugin's compute precision: the hint given, or its default on this CPU."""
+    if hint:
+        return str(hint).lower()
+    import openvino
+
+    return str(openvino.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name())
+
+
 def generate_batch(
     session: Session,
     prompts: Sequence[Prompt],
@@ -129,12 +160,9 @@ def generate_batch(
     """``Session.generate_batch`` for an OpenVINO GenAI session."""
     batcher: ContinuousBatcher | None = getattr(session, "_batcher", None)
     if batcher is None:
-        props = dict(getattr(session, "load_properties", {}) or {})
-        # The paged-attention kernels pick their own KV precision (bf16 on AVX-512/AMX
-        # CPUs) and refuse the f32 cache the single-sequence pipeline uses for seeds.
-        props.pop("KV_CACHE_PRECISION", None)
-        batcher = ContinuousBatcher(session.info.path, getattr(session, "device", "CPU"),
-                                    props)
+        device = getattr(session, "device", "CPU")
+        props = batch_properties(getattr(session, "load_properties", {}) or {}, device)
+        batcher = ContinuousBatcher(session.info.path, device, props)
         session._batcher = batcher  # type: ignore[attr-defined]
     return batcher.run(session, prompts, samplings, cancels, stats, max_concurrency)
 

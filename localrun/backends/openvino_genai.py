@@ -61,10 +61,13 @@ from localrun.errors import (
     EngineNotInstalledError,
     LocalrunError,
     ModelFileError,
+    UnsupportedSchemaError,
 )
 from localrun.formats.integrity import check_openvino_ir
 from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
+from localrun.structured.constraint import Constraint
+from localrun.structured.engines import is_openvino_grammar_error, openvino_structured_config
 from localrun.types import CancelToken, FinishReason, Message, ModelInfo
 
 #: Files an OpenVINO GenAI LLM folder must have. A Tokenizer without its IRs
@@ -249,6 +252,12 @@ class OpenVINOSession(Session):
         if request.threads:
             props["INFERENCE_NUM_THREADS"] = request.threads
         props.update(options)
+        if device.startswith("CPU") and props.get("KV_CACHE_PRECISION") == "f32":
+            # LLMPipeline tries paged attention first, which refuses an f32 cache where the
+            # CPU computes in bf16 (AVX-512 BF16, AMX): it then compiled the model a second
+            # time for SDPA, doubling the load. Ask for SDPA at once; at f32 compute, where
+            # paged attention would take the f32 cache, both give the same tokens.
+            props.setdefault("ATTENTION_BACKEND", "SDPA")
         self.load_properties = dict(props)  # the batching pipeline gets the same settings
         try:
             self._pipe = ov_genai.LLMPipeline(str(path), device, **props)
@@ -264,6 +273,8 @@ class OpenVINOSession(Session):
         if 0 <= engine_cfg.eos_token_id < _SIZE_MAX:
             eos.add(engine_cfg.eos_token_id)
         self._eos = frozenset(eos)
+        self.chat_template = getattr(self._tok, "chat_template", None) or None
+        self.bos_token, self.eos_token = self._tok.get_bos_token(), self._tok.get_eos_token()
         self.info = ModelInfo(
             backend="openvino",
             engine_version=engine_version("openvino") or "unknown",
@@ -299,6 +310,13 @@ class OpenVINOSession(Session):
     def encode_text(self, text: str) -> Prompt:
         return Prompt(self._encode(text, special=True), text)
 
+    def encode_rendered(self, text: str) -> Prompt:
+        return Prompt(self._encode(text, special=False), text)
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        # XGrammar compiles the schema inside generate(): its refusals surface there
+        openvino_structured_config(self._og, constraint)
+
     # -- generation -------------------------------------------------------------------
 
     def _config(self, sampling: ResolvedSampling, limit: int) -> Any:
@@ -320,6 +338,10 @@ class OpenVINOSession(Session):
             cfg.min_p = sampling.min_p
             cfg.rng_seed = sampling.seed if sampling.seed is not None else \
                 secrets.randbits(32)
+        if sampling.constraint is not None:
+            so = openvino_structured_config(self._og, sampling.constraint)
+            if so is not None:
+                cfg.structured_output_config = so
         return cfg
 
     def generate(
@@ -391,6 +413,11 @@ class OpenVINOSession(Session):
                 stats.completion_tokens += 1
                 yield item
             if done.error is not None:
+                if sampling.constraint is not None and is_openvino_grammar_error(done.error):
+                    raise UnsupportedSchemaError(sampling.constraint.label,
+                                                 _first_line(done.error).split("]")[-1]
+                                                 .split(": ", 1)[-1], backend="openvino"
+                                                 ) from done.error
                 raise done.error
             stats.finish_reason = done.reason
         finally:
