@@ -51,7 +51,9 @@ CONDITIONS: dict[tuple[str, str], Condition] = {
         "llama-cpp-python"),
     ("gguf", "openvino"): Condition(
         "preview GGUF reader: llama, qwen2 and qwen3 architectures with F16/Q4_0/Q4_1/Q8_0/"
-        "Q4_K/Q6_K weights only (openvino-genai >= 2025.2)",
+        "Q4_K/Q6_K weights only (openvino-genai >= 2025.2); it rounds the block minimums "
+        "of Q4_1 and Q4_K weights (SmolLM2 Q4_1: KL 0.79 from llama.cpp's logits), so "
+        "prefer llama.cpp for those files, or Q8_0, or an IR from optimum-cli",
         architectures=("llama", "qwen2", "qwen3"),
         quantizations=("F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K_S", "Q4_K_M", "Q6_K"),
         min_version="2025.2"),
