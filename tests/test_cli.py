@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
+import shlex
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,13 +24,44 @@ def cli(*args: str, stdin: str | None = None, env: dict[str, str] | None = None,
                           text=True, timeout=timeout, env=env)
 
 
-def test_help_teaches() -> None:
+def _commands() -> dict[str, Any]:
+    """Every command the CLI registers, by name (its click command)."""
+    import typer.main
+
+    from localrun.cli import app
+
+    group = typer.main.get_command(app)
+    return dict(group.commands)  # type: ignore[attr-defined]
+
+
+COMMANDS = sorted(_commands())
+
+
+def test_root_help_lists_every_command() -> None:
     r = cli("--help")
     assert r.returncode == 0
-    for word in ("chat", "run"):
-        assert word in r.stdout
-    r = cli("run", "--help")
-    assert "--temperature" in r.stdout and "Examples" in r.stdout
+    for name in COMMANDS:
+        assert name in r.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_teaches(command: str) -> None:
+    """Every command's --help has examples, and every flag an example uses exists."""
+    assert len(COMMANDS) >= 9  # chat run doctor plan pull list rm generate bench
+    r = cli(command, "--help", env={**os.environ, "COLUMNS": "250"})  # no wrapped lines
+    assert r.returncode == 0, r.stderr
+    assert "Examples:" in r.stdout, f"localrun {command} --help has no examples"
+    section = r.stdout.split("Examples:", 1)[1].split("╭", 1)[0]  # up to the options box
+    # each use of this command, from "localrun COMMAND" to the end of its shell command
+    uses = [seg[seg.index(f"localrun {command}"):] for line in section.splitlines()
+            for seg in re.split(r"[;|]", line) if f"localrun {command}" in seg]
+    assert uses, f"no example of localrun {command} in:\n{section}"
+    known = {opt for param in _commands()[command].params
+             for opt in (*param.opts, *param.secondary_opts)}
+    for use in uses:
+        for word in shlex.split(use)[2:]:
+            if word.startswith("-"):
+                assert word.split("=", 1)[0] in known, f"{use!r}: no option {word}"
 
 
 def test_version() -> None:
@@ -153,6 +187,164 @@ def test_chat_interactive_session(clean_env: dict[str, str]) -> None:
         except (ProcessLookupError, ChildProcessError):
             pass
         os.close(fd)
+
+
+class _PtyChat:
+    """The real `localrun chat` on a pseudo-terminal, as a person types into it."""
+
+    def __init__(self, env: dict[str, str], *args: str) -> None:
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # child: the CLI
+            cmd = localrun_cmd()
+            os.execve(cmd[0], [*cmd, "chat", *args], env)
+        self.header = _read_until(self.fd, ">>> ")
+
+    def send(self, *lines: str) -> str:
+        """Type lines (continuation lines after their "... " prompt); the output up to
+        the next ">>> ", with the terminal's CR LF as LF."""
+        for line in lines[:-1]:
+            os.write(self.fd, line.encode() + b"\n")
+            _read_until(self.fd, "... ")
+        os.write(self.fd, lines[-1].encode() + b"\n")
+        return _read_until(self.fd, ">>> ").replace("\r\n", "\n")
+
+    def stats(self) -> tuple[int, int]:
+        """(prompt tokens, reply tokens) of the last reply, as /stats reports them."""
+        m = re.search(r"(\d+) prompt \+ (\d+) reply tokens", self.send("/stats"))
+        assert m, "no token counts in /stats"
+        return int(m[1]), int(m[2])
+
+    def exit_code(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+    def close(self) -> None:
+        try:
+            os.kill(self.pid, 9)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(self.fd)
+
+
+PIRATE = "You are a pirate. Answer like a pirate."
+CHAT_FLAGS = ("--backend", "llama.cpp", "--context", "2048", "--temperature", "0",
+              "--max-tokens", "24")
+
+
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+@requires_llama
+def test_chat_commands_and_multiline_input(llama_model: Any, clean_env: dict[str, str]) -> None:
+    """/system, /reset, /exit and both multi-line forms, checked against the Python API on
+    the same model and context: each reply's text and its prompt tokens (from /stats) are
+    those of the conversation the command should have left."""
+    greedy = {"temperature": 0, "max_tokens": 24}
+
+    def api(messages: list[dict[str, str]]) -> Any:
+        return llama_model.chat(messages, **greedy)
+
+    system = {"role": "system", "content": PIRATE}
+    q1, q2 = "What is 2+2?", "And what is 3+3?"
+    plain = api([_user(q1)])
+    piratical = api([system, _user(q1)])
+    assert piratical.text != plain.text  # the system prompt shows in the reply
+    follow_up = api([system, _user(q1), {"role": "assistant", "content": piratical.text},
+                     _user(q2)])
+    continued = api([_user("Answer in one word.\nWhat is the opposite of hot?")])
+    block = api([_user("Translate to French:\nGood morning.")])
+
+    chat = _PtyChat(clean_env, *CHAT_FLAGS)
+    try:
+        assert "System prompt set; conversation cleared." in chat.send(f"/system {PIRATE}")
+        assert piratical.text in chat.send(q1)
+        assert chat.stats() == (piratical.usage.prompt_tokens,
+                                piratical.usage.completion_tokens)
+        assert follow_up.text in chat.send(q2)  # the conversation goes on
+        assert chat.stats()[0] == follow_up.usage.prompt_tokens
+        # /reset forgets the conversation and keeps the system prompt
+        assert "Conversation cleared." in chat.send("/reset")
+        assert piratical.text in chat.send(q1)
+        assert chat.stats()[0] == piratical.usage.prompt_tokens
+        # /system with no text removes it (and starts over)
+        assert "System prompt removed." in chat.send("/system")
+        assert plain.text in chat.send(q1)
+        assert chat.stats()[0] == plain.usage.prompt_tokens
+        # a line ending in \ continues on the next line: one message of two lines
+        chat.send("/reset")
+        assert continued.text in chat.send("Answer in one word.\\",
+                                           "What is the opposite of hot?")
+        assert chat.stats()[0] == continued.usage.prompt_tokens
+        # a """ block is one message, the lines between the markers
+        chat.send("/reset")
+        assert block.text in chat.send('"""', "Translate to French:", "Good morning.", '"""')
+        assert chat.stats()[0] == block.usage.prompt_tokens
+        os.write(chat.fd, b"/exit\n")
+        assert chat.exit_code() == 0
+    finally:
+        chat.close()
+
+
+#: Candidate settings for the flag test: each is used only if leaving out any one flag
+#: changes the reply (so a flag the CLI dropped could not go unnoticed). The first one
+#: qualifies with llama-cpp-python 0.3.36; the others are spares for another build.
+FLAG_SETS: tuple[dict[str, Any], ...] = (
+    {"seed": 7, "temperature": 1.2, "top_p": 0.85, "top_k": 5, "min_p": 0.3,
+     "repetition_penalty": 1.3},
+    {"seed": 7, "temperature": 1.2, "top_p": 0.95, "top_k": 8, "min_p": 0.2,
+     "repetition_penalty": 1.3},
+    {"seed": 11, "temperature": 1.1, "top_p": 0.9, "top_k": 6, "min_p": 0.25,
+     "repetition_penalty": 1.4},
+)
+FLAG_PROMPT = "Describe the sea."
+FLAG_SYSTEM = "You are a pirate."
+FLAG_TOKENS = 12
+
+
+@requires_llama
+def test_sampling_flags_reach_the_engine(llama_model: Any, default_gguf: Path,
+                                         clean_env: dict[str, str], tmp_path: Path) -> None:
+    """--seed --system --temperature --top-p --top-k --min-p --repetition-penalty, given
+    together to run, chat and generate, give the reply the API gives with those options;
+    leaving out any one of them would give another reply. (--context and --backend: the
+    loaded model's info; --max-tokens and --stop: other tests.)"""
+
+    def api(system: bool, **kw: Any) -> str:
+        head = [{"role": "system", "content": FLAG_SYSTEM}] if system else []
+        return str(llama_model.chat([*head, _user(FLAG_PROMPT)], max_tokens=FLAG_TOKENS,
+                                    **kw).text)
+
+    chosen = expected = None
+    for flags in FLAG_SETS:
+        expected = api(True, **flags)
+        without = [api(True, **{k: v for k, v in flags.items() if k != name})
+                   for name in flags if name != "seed"]
+        without += [api(True, **{**flags, "seed": flags["seed"] + 1}), api(False, **flags)]
+        if expected not in without:
+            chosen = flags
+            break
+    assert chosen is not None and expected, (
+        "no setting in FLAG_SETS where every flag changes the reply: add one that does")
+    args = ["--backend", "llama.cpp", "--context", "2048", "--max-tokens", str(FLAG_TOKENS),
+            "--system", FLAG_SYSTEM]
+    for name, value in chosen.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+
+    r = cli("run", str(default_gguf), FLAG_PROMPT, *args, "--json", env=clean_env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["text"] == expected
+    assert (out["info"]["backend"], out["info"]["context_length"]) == ("llama.cpp", 2048)
+    r = cli("chat", str(default_gguf), *args, stdin=FLAG_PROMPT, env=clean_env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected + "\n"
+    (tmp_path / "in.txt").write_text(FLAG_PROMPT + "\n")
+    r = cli("generate", str(default_gguf), "-i", str(tmp_path / "in.txt"), "-o",
+            str(tmp_path / "out.jsonl"), "--no-progress", *args, env=clean_env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "out.jsonl").read_text())["text"] == expected
 
 
 @pytest.mark.parametrize("model", ["smollm2:135m"])

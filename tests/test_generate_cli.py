@@ -1,7 +1,9 @@
-"""`localrun generate` as a user runs it: real processes, real engine, the embedded model."""
+"""`localrun generate` as a user runs it: real processes, real engine, the embedded model;
+and on OpenVINO, whose continuous batching runs several prompts at once."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -13,8 +15,6 @@ from typing import Any
 import pytest
 
 from tests.conftest import localrun_cmd, requires_llama
-
-pytestmark = requires_llama
 
 FLAGS = ("--backend", "llama.cpp", "--context", "1024", "-t", "0", "--no-progress")
 QUESTIONS = ["What is 2+2?", "What is the opposite of hot?", "How many legs does a dog have?",
@@ -57,6 +57,7 @@ def assert_each_once(path: Path, ids: list[Any]) -> list[dict[str, Any]]:
     return rows
 
 
+@requires_llama
 def test_jsonl_with_overrides_and_malformed_lines(default_gguf: Path, tmp_path: Path) -> None:
     inp = write_jsonl(tmp_path / "in.jsonl", [
         {"id": "a", "prompt": "Write a long story about a dragon.", "max_tokens": 3},
@@ -90,6 +91,7 @@ def test_jsonl_with_overrides_and_malformed_lines(default_gguf: Path, tmp_path: 
     assert out.read_bytes() == before
 
 
+@requires_llama
 def test_plain_text_input(default_gguf: Path, tmp_path: Path) -> None:
     inp = tmp_path / "prompts.txt"
     inp.write_text("What is 2+2?\n\nName a fruit.\n", encoding="utf-8")
@@ -100,6 +102,7 @@ def test_plain_text_input(default_gguf: Path, tmp_path: Path) -> None:
     assert [row["id"] for row in rows] == [1, 3]
 
 
+@requires_llama
 def test_duplicate_ids_refused_before_anything_runs(default_gguf: Path, tmp_path: Path) -> None:
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "x", "prompt": "Hi"},
                                               {"id": "y", "prompt": "Hi"},
@@ -115,6 +118,7 @@ def test_duplicate_ids_refused_before_anything_runs(default_gguf: Path, tmp_path
     assert out.read_text(encoding="utf-8") == '{"id": "old", "text": "kept"}\n'
 
 
+@requires_llama
 def test_fail_fast_on_malformed_line_runs_nothing(default_gguf: Path, tmp_path: Path) -> None:
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Hi"}, "[1, 2]"])
     out = tmp_path / "out.jsonl"
@@ -123,6 +127,7 @@ def test_fail_fast_on_malformed_line_runs_nothing(default_gguf: Path, tmp_path: 
     assert not out.exists()
 
 
+@requires_llama
 def test_partial_last_line_is_redone(default_gguf: Path, tmp_path: Path) -> None:
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": q}
                                               for i, q in enumerate(QUESTIONS[:3])])
@@ -156,6 +161,7 @@ def _kill_midway(cmd: list[str], out: Path, sig: int, min_lines: int) -> int:
     return proc.returncode
 
 
+@requires_llama
 def test_sigkill_midway_then_resume(default_gguf: Path, tmp_path: Path) -> None:
     ids = [f"q{i}" for i in range(len(QUESTIONS))]
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": q}
@@ -173,6 +179,7 @@ def test_sigkill_midway_then_resume(default_gguf: Path, tmp_path: Path) -> None:
     assert_each_once(out, ids)
 
 
+@requires_llama
 def test_ctrl_c_saves_and_tells_how_to_resume(default_gguf: Path, tmp_path: Path) -> None:
     ids = list(range(len(QUESTIONS)))
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": q}
@@ -189,6 +196,7 @@ def test_ctrl_c_saves_and_tells_how_to_resume(default_gguf: Path, tmp_path: Path
     assert_each_once(out, ids)
 
 
+@requires_llama
 def test_retry_failed_replaces_error_lines(default_gguf: Path, tmp_path: Path) -> None:
     inp = tmp_path / "in.jsonl"
     write_jsonl(inp, [{"id": "a", "prompt": "Hi", "max_tokens": 0}, {"id": "b", "prompt": "Hi"}])
@@ -202,6 +210,7 @@ def test_retry_failed_replaces_error_lines(default_gguf: Path, tmp_path: Path) -
     assert_each_once(out, ["a", "b"])
 
 
+@requires_llama
 @pytest.mark.parametrize("bad", [["--concurrency", "0"], ["--temperature", "-1"],
                                  ["--format", "csv"]])
 def test_bad_flags_one_line(default_gguf: Path, tmp_path: Path, bad: list[str]) -> None:
@@ -213,6 +222,7 @@ def test_bad_flags_one_line(default_gguf: Path, tmp_path: Path, bad: list[str]) 
     assert not out.exists()
 
 
+@requires_llama
 def test_lines_that_are_not_utf8_fail_alone(default_gguf: Path, tmp_path: Path) -> None:
     """Issue 11, item 10: a Latin-1 byte or a lone surrogate escape fails its own line in
     one clear sentence; the other lines run. (A UTF-8 BOM and a raw U+2028 inside a JSON
@@ -235,6 +245,7 @@ def test_lines_that_are_not_utf8_fail_alone(default_gguf: Path, tmp_path: Path) 
     assert done == {"ok", "ls"}
 
 
+@requires_llama
 def test_text_input_line_not_utf8(default_gguf: Path, tmp_path: Path) -> None:
     inp = tmp_path / "prompts.txt"
     inp.write_bytes(b"Say hello.\nCaf\xe9?\n")
@@ -244,3 +255,49 @@ def test_text_input_line_not_utf8(default_gguf: Path, tmp_path: Path) -> None:
     rows = {row["id"]: row for row in results(out)}
     assert_valid(rows[1])
     assert rows[2]["line"] == 2 and "not UTF-8 text: byte 0xE9 at offset 3" in rows[2]["error"]
+
+
+# -- an engine that batches: OpenVINO GenAI's continuous batching -----------------------
+
+requires_openvino = pytest.mark.skipif(
+    importlib.util.find_spec("openvino_genai") is None,
+    reason="openvino-genai is not installed (pip install 'localrun[openvino]')")
+
+
+@requires_openvino
+def test_generate_j4_runs_four_at_once_on_openvino(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`localrun generate -j 4` on the OpenVINO fixture: every id once, and by the
+    engine's own count its steps ran 4 sequences at once, never more. The command runs
+    in this process (the CLI app itself) so the engine's step reports can be read."""
+    from typer.testing import CliRunner
+
+    from localrun.backends import openvino_batch
+    from localrun.cli import app
+    from tests.models import test_model
+    from tests.test_batch import StepSpy
+
+    model = test_model("openvino-int4")
+    spies: list[StepSpy] = []
+
+    class Spied(openvino_batch.ContinuousBatcher):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            spies.append(StepSpy(self.pipe))
+            self.pipe = spies[-1]
+
+    monkeypatch.setattr(openvino_batch, "ContinuousBatcher", Spied)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ids = [f"q{i}" for i in range(8)]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": q}
+                                              for i, q in zip(ids, QUESTIONS, strict=False)])
+    out = tmp_path / "out.jsonl"
+    r = CliRunner().invoke(app, ["generate", str(model), "--backend", "openvino", "-i",
+                                 str(inp), "-o", str(out), "-t", "0", "-n", "8", "-j", "4",
+                                 "--no-progress"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    rows = assert_each_once(out, ids)
+    assert all(row["usage"]["completion_tokens"] <= 8 for row in rows)
+    assert len(spies) == 1, "the batch did not go through the continuous batcher"
+    steps = spies[0].scheduled
+    assert max(steps) == 4 and sum(n > 1 for n in steps) >= 4, steps
