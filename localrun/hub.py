@@ -821,7 +821,7 @@ def plan_fetch(
     if r.kind == "default" and not default_serves(want_quant):
         r = as_catalog_alias(r)  # e.g. smollm2:135m --quant Q8_0: the alias, on the Hub
 
-    local = _plan_local(r, name, fmt, want_quant, memory_budget_bytes, context)
+    local = _plan_local(r, name, fmt, want_quant, memory_budget_bytes, context, device)
     if local is not None:
         return local
     planner = _Planner(r, name, fmt, want_quant, device, memory_budget_bytes, context,
@@ -1104,7 +1104,7 @@ class _Planner:
             self.reasons.append(f"{self.offline_reason}: planned from the Hugging Face cache")
         return _choose(r, self.backend, fmt, cands, base, self.budget, self.context,
                        self.reasons, target=DEFAULT_TARGET.get(fmt, 4.0),
-                       explicit=bool(want_quant))
+                       explicit=bool(want_quant), device=self.device)
 
     def from_records(self) -> FetchPlan | None:
         """Offline: plan what an earlier download of this very name fetched for this
@@ -1133,7 +1133,8 @@ class _Planner:
                        f"{rec.backend} on {when}; using those files"]
             return _choose(self.r, self.backend, rec.format, cands[:1], None, self.budget,
                            self.context, reasons, target=DEFAULT_TARGET.get(rec.format, 4.0),
-                           explicit=True, why="what that download fetched")
+                           explicit=True, why="what that download fetched",
+                           device=self.device)
         return None
 
 
@@ -1218,7 +1219,9 @@ def _has_weights(lst: _Listing) -> bool:
 
 def _choose(r: ModelRef, backend: str, fmt: str, cands: list[_Cand], base: str | None,
             budget: int | None, context: int | None, reasons: list[str], *, target: float,
-            explicit: bool, why: str | None = None) -> FetchPlan:
+            explicit: bool, why: str | None = None, device: str | None = None) -> FetchPlan:
+    # KV element size and overhead of this engine on this device (memory.ENGINE_MEMORY)
+    fixed = memory.engine_memory(backend, device).overhead_fixed
     own = (base or cands[0].listing.repo).split("/")[0]
     repo_order = {c.listing.repo: i for i, c in enumerate(
         sorted(cands, key=lambda c: _trust_rank(c.listing.repo, own)))}
@@ -1237,10 +1240,10 @@ def _choose(r: ModelRef, backend: str, fmt: str, cands: list[_Cand], base: str |
 
     for c in ordered:
         w = c.weights_bytes
-        if budget is not None and w + memory.overhead_bytes(w) > budget:
+        if budget is not None and w + memory.overhead_bytes(w, fixed) > budget:
             # The weights alone do not fit: no need to read anything more.
             options.append(QuantOption(c.listing.repo, c.quant, w,
-                                       w + memory.overhead_bytes(w), False,
+                                       w + memory.overhead_bytes(w, fixed), False,
                                        c.listing.revision, c.subfolder))
             continue
         if not shape_read:
@@ -1248,7 +1251,7 @@ def _choose(r: ModelRef, backend: str, fmt: str, cands: list[_Cand], base: str |
             if context is None:
                 trained = shape.trained_context if shape else None
                 ctx = min(trained or 4096, 8192)
-        est = memory.estimate(w, shape, ctx)
+        est = memory.estimate(w, shape, ctx, backend=backend, device=device)
         fits = budget is None or est.total_bytes <= budget
         options.append(QuantOption(c.listing.repo, c.quant, w, est.total_bytes, fits,
                                    c.listing.revision, c.subfolder))
@@ -1259,10 +1262,12 @@ def _choose(r: ModelRef, backend: str, fmt: str, cands: list[_Cand], base: str |
     if chosen is None:
         # Nothing fits: report the smallest (explicit: the one asked for) with its numbers.
         chosen = ordered[0] if explicit else min(ordered, key=lambda c: c.weights_bytes)
-        chosen_est = memory.estimate(chosen.weights_bytes, shape, ctx)
+        chosen_est = memory.estimate(chosen.weights_bytes, shape, ctx, backend=backend,
+                                     device=device)
     assert chosen_est is not None
     trained = shape.trained_context if shape else None
-    max_ctx = (memory.max_context(chosen.weights_bytes, shape, budget, limit=trained)
+    max_ctx = (memory.max_context(chosen.weights_bytes, shape, budget, limit=trained,
+                                  backend=backend, device=device)
                if budget is not None else None)
     fits = budget is None or chosen_est.total_bytes <= budget
     lst = chosen.listing
@@ -1297,7 +1302,7 @@ def _with_cache_state(lst: _Listing, f: PlannedFile) -> PlannedFile:
 
 
 def _plan_local(r: ModelRef, backend: str, fmt: str, quant: str | None, budget: int | None,
-                context: int | None) -> FetchPlan | None:
+                context: int | None, device: str | None = None) -> FetchPlan | None:
     """Models that need no download: local paths, the packaged default, Ollama, LM Studio."""
     found: StoredModel | None = None
     if r.kind in ("path", "default"):
@@ -1341,10 +1346,11 @@ def _plan_local(r: ModelRef, backend: str, fmt: str, quant: str | None, budget: 
         except OSError:
             shape = None
     ctx = context or min((shape.trained_context if shape else None) or 4096, 8192)
-    est = memory.estimate(found.size, shape, ctx)
+    est = memory.estimate(found.size, shape, ctx, backend=backend, device=device)
     fits = budget is None or est.total_bytes <= budget
     max_ctx = memory.max_context(found.size, shape, budget,
-                                 limit=shape.trained_context if shape else None) \
+                                 limit=shape.trained_context if shape else None,
+                                 backend=backend, device=device) \
         if budget is not None else None
     return FetchPlan(
         ref=r.raw, source=source, format=found.format, backend=backend, repo=found.repo,

@@ -8,6 +8,7 @@ which parse a GGUF header from bytes or a config dict.
 from __future__ import annotations
 
 import os
+import re
 import struct
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 OVERHEAD_FIXED = 256 * 2**20
 #: Proportional cost: scratch buffers grow with the model.
 OVERHEAD_FRACTION = 0.05
-#: KV cache element size: f16 in every engine's default configuration.
+#: KV cache element size when the engine (or its device) is not known: f16.
 KV_BYTES = 2
 #: Contexts are offered in multiples of this many tokens.
 CONTEXT_STEP = 256
@@ -24,6 +25,62 @@ CONTEXT_STEP = 256
 #: a 32k- or 128k-context model does not reserve its whole KV cache by default (and a
 #: long prompt overflows the same way on every engine).
 DEFAULT_CONTEXT_CAP = 8192
+
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What an engine allocates besides its weights, as localrun loads it on a device."""
+
+    kv_element_bytes: int | None  # bytes per K or V element; None: the model's dtype
+    overhead_fixed: int = OVERHEAD_FIXED  # runtime, tokenizer, compute buffers (bytes)
+
+
+#: Per engine and device kind ("*": any other device). KV element sizes are the caches
+#: the engines allocate as localrun loads them: llama.cpp f16 (type_k/type_v); mlx-lm the
+#: model's own dtype (None: bf16/f16 in MLX repos, f32 in a model saved in f32); OpenVINO
+#: f32 on the CPU, because openvino_genai.py sets
+#: KV_CACHE_PRECISION=f32 there (the GPU and NPU plugins keep f16); ONNX Runtime GenAI the
+#: model's I/O type, f32 in the builder's CPU variants (fp16 in its GPU ones); ExLlama
+#: fp16 unless kv_cache= says otherwise. The CPU overheads were measured here with the
+#: SmolLM2-135M fixtures (RSS after a filled context, less weights and KV cache:
+#: tests/test_memory_rss.py); GPUs keep the unmeasured 256 MiB (CUDA/Metal runtimes).
+ENGINE_MEMORY: dict[tuple[str, str], EngineMemory] = {
+    ("llama.cpp", "cpu"): EngineMemory(2, 64 * MiB),
+    ("llama.cpp", "*"): EngineMemory(2),
+    ("mlx", "cpu"): EngineMemory(None, 128 * MiB),
+    ("mlx", "*"): EngineMemory(None),
+    ("openvino", "cpu"): EngineMemory(4, 320 * MiB),
+    ("openvino", "*"): EngineMemory(2),
+    ("onnx", "cpu"): EngineMemory(4, 160 * MiB),
+    ("onnx", "*"): EngineMemory(2),
+    ("exllamav2", "*"): EngineMemory(2),
+    ("exllamav3", "*"): EngineMemory(2),
+}
+#: The device an engine runs on when none is named (others: a GPU when there is one).
+ENGINE_DEFAULT_DEVICE: dict[str, str] = {"openvino": "cpu", "onnx": "cpu"}
+#: Engine unknown: f16 and the full fixed overhead.
+UNKNOWN_ENGINE = EngineMemory(KV_BYTES)
+
+
+def engine_memory(backend: str | None, device: str | None = None) -> EngineMemory:
+    """The :data:`ENGINE_MEMORY` row for ``backend`` on ``device`` ("cpu", "CPU",
+    "GPU.1", "cuda:0", "metal", ...; None: the engine's default device)."""
+    if backend is None:
+        return UNKNOWN_ENGINE
+    kind = re.split(r"[:.]", device.strip().lower(), maxsplit=1)[0] if device else \
+        ENGINE_DEFAULT_DEVICE.get(backend, "*")
+    return ENGINE_MEMORY.get((backend, kind)) or ENGINE_MEMORY.get((backend, "*")) \
+        or UNKNOWN_ENGINE
+
+
+def kv_element_bytes(engine: EngineMemory, shape: ModelShape | None) -> int:
+    """Bytes per KV element: the engine's own, else the model's dtype, else f16."""
+    if engine.kv_element_bytes is not None:
+        return engine.kv_element_bytes
+    return shape.dtype_bytes if shape is not None and shape.dtype_bytes else KV_BYTES
 
 
 def context_window(requested: int | None, trained: int | None) -> int:
@@ -46,6 +103,8 @@ class ModelShape:
     n_kv_heads: int
     head_dim: int
     trained_context: int | None = None
+    #: bytes per element of the model's activations (config.json's dtype), if it says
+    dtype_bytes: int | None = None
 
     def kv_bytes_per_token(self, kv_bytes: int = KV_BYTES) -> int:
         # K and V for every layer and KV head.
@@ -82,8 +141,8 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def overhead_bytes(weights_bytes: int) -> int:
-    return OVERHEAD_FIXED + int(weights_bytes * OVERHEAD_FRACTION)
+def overhead_bytes(weights_bytes: int, fixed: int = OVERHEAD_FIXED) -> int:
+    return fixed + int(weights_bytes * OVERHEAD_FRACTION)
 
 
 def kv_cache_bytes(shape: ModelShape, context: int, kv_bytes: int = KV_BYTES) -> int:
@@ -91,26 +150,33 @@ def kv_cache_bytes(shape: ModelShape, context: int, kv_bytes: int = KV_BYTES) ->
     return shape.kv_bytes_per_token(kv_bytes) * context
 
 
-def estimate(weights_bytes: int, shape: ModelShape | None, context: int) -> MemoryEstimate:
-    kv = kv_cache_bytes(shape, context) if shape else 0
-    return MemoryEstimate(weights_bytes, kv, overhead_bytes(weights_bytes), context,
-                          kv_known=shape is not None)
+def estimate(weights_bytes: int, shape: ModelShape | None, context: int, *,
+             backend: str | None = None, device: str | None = None) -> MemoryEstimate:
+    """Bytes to run the model at ``context`` on ``backend`` (on ``device``): the KV cache
+    in the element size that engine allocates there, its overhead (:data:`ENGINE_MEMORY`)."""
+    eng = engine_memory(backend, device)
+    kv = kv_cache_bytes(shape, context, kv_element_bytes(eng, shape)) if shape else 0
+    return MemoryEstimate(weights_bytes, kv, overhead_bytes(weights_bytes, eng.overhead_fixed),
+                          context, kv_known=shape is not None)
 
 
 def max_context(weights_bytes: int, shape: ModelShape | None, budget_bytes: int,
-                *, limit: int | None = None) -> int:
-    """Largest context (a multiple of CONTEXT_STEP, at most ``limit``) that fits the budget.
+                *, limit: int | None = None, backend: str | None = None,
+                device: str | None = None) -> int:
+    """Largest context (a multiple of CONTEXT_STEP, at most ``limit``) that fits the budget
+    on ``backend`` (on ``device``), as :func:`estimate` counts it.
 
     0 when not even CONTEXT_STEP tokens fit. Without a shape, the KV cache is unknown:
     the answer is ``limit`` if the weights fit, else 0.
     """
-    free = budget_bytes - weights_bytes - overhead_bytes(weights_bytes)
+    eng = engine_memory(backend, device)
+    free = budget_bytes - weights_bytes - overhead_bytes(weights_bytes, eng.overhead_fixed)
     if free <= 0:
         return 0
     cap = limit if limit is not None else 1 << 20
     if shape is None:
         return cap
-    per_token = shape.kv_bytes_per_token()
+    per_token = shape.kv_bytes_per_token(kv_element_bytes(eng, shape))
     tokens = free // per_token if per_token else cap
     if tokens >= cap:
         return cap
@@ -214,8 +280,15 @@ def shape_from_config(config: dict[str, Any]) -> ModelShape | None:
     if hd is None and hidden and heads:
         hd = hidden // heads
     if layers and kv and hd:
-        return ModelShape(layers, kv, hd, _int(cfg.get("max_position_embeddings")))
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") \
+            or config.get("dtype")
+        return ModelShape(layers, kv, hd, _int(cfg.get("max_position_embeddings")),
+                          DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None)
     return None
+
+
+#: config.json's torch_dtype (transformers 5: dtype) -> bytes per element
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _int(v: Any) -> int | None:

@@ -64,3 +64,100 @@ def test_shapes_from_gguf_and_configs() -> None:
 
 def test_available_ram() -> None:
     assert memory.available_ram_bytes() > 0
+
+
+# -- what each engine allocates (memory.ENGINE_MEMORY) ----------------------------------
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize(("backend", "device", "kv_mib", "fixed_mib"), [
+    # SmolLM2 at 8192 tokens: 23,040 B/token in f16 = 180 MiB, 360 MiB in f32
+    ("llama.cpp", "cpu", 180, 64),
+    ("llama.cpp", "cuda:0", 180, 256),
+    ("llama.cpp", None, 180, 256),  # llama.cpp's default is the GPU when there is one
+    ("mlx", "cpu", 180, 128),
+    ("mlx", "metal", 180, 256),
+    ("openvino", "CPU", 360, 320),  # localrun loads it with KV_CACHE_PRECISION=f32
+    ("openvino", None, 360, 320),  # OpenVINO's default device is the CPU
+    ("openvino", "GPU.1", 180, 256),
+    ("openvino", "NPU", 180, 256),
+    ("onnx", "cpu", 360, 160),  # the builder's CPU variants keep f32 past_key_values
+    ("onnx", None, 360, 160),
+    ("onnx", "cuda:1", 180, 256),
+    ("onnx", "dml", 180, 256),
+    ("exllamav2", "cuda:0", 180, 256),
+    (None, None, 180, 256),  # engine unknown: f16
+])
+def test_estimate_follows_the_engine_and_device(backend: str | None, device: str | None,
+                                                kv_mib: int, fixed_mib: int) -> None:
+    est = memory.estimate(10**8, SMOLLM2, 8192, backend=backend, device=device)
+    assert est.kv_cache_bytes == kv_mib * MiB
+    assert est.overhead_bytes == fixed_mib * MiB + 5_000_000
+    assert est.total_bytes == 10**8 + kv_mib * MiB + fixed_mib * MiB + 5_000_000
+
+
+def test_mlx_kv_follows_the_model_dtype() -> None:
+    """mlx-lm keeps K and V in the model's own dtype: bf16 in MLX repos, f32 in a model
+    saved in f32 (the SmolLM2 fixture); config.json says which (dtype or torch_dtype)."""
+    cfg = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "hidden_size": 576, "max_position_embeddings": 8192}
+    for dtype, kv_mib in (("bfloat16", 180), ("float16", 180), ("float32", 360), (None, 180)):
+        for key in ("torch_dtype", "dtype"):
+            shape = memory.shape_from_config({**cfg, key: dtype} if dtype else cfg)
+            assert shape is not None and shape.kv_bytes_per_token(1) == 11_520
+            est = memory.estimate(10**8, shape, 8192, backend="mlx", device="metal")
+            assert est.kv_cache_bytes == kv_mib * MiB, (dtype, key)
+            # the engines with a KV type of their own do not follow the model's dtype
+            assert memory.estimate(10**8, shape, 8192, backend="llama.cpp",
+                                   device="cpu").kv_cache_bytes == 180 * MiB
+
+
+def test_max_context_counts_what_the_engine_allocates() -> None:
+    """OpenVINO on a CPU fits half the context llama.cpp fits in the same KV room."""
+    w = 10**8
+    room = 90 * MiB  # 4096 f16 tokens of SmolLM2, 2048 f32 ones
+    for backend, want in (("llama.cpp", 4096), ("openvino", 2048), ("onnx", 2048)):
+        fixed = memory.engine_memory(backend, "cpu").overhead_fixed
+        budget = w + memory.overhead_bytes(w, fixed) + room
+        ctx = memory.max_context(w, SMOLLM2, budget, backend=backend, device="cpu")
+        assert ctx == want, backend
+        assert memory.estimate(w, SMOLLM2, ctx, backend=backend, device="cpu").total_bytes \
+            == budget
+
+
+def test_intel_host_plans_openvino_with_its_f32_kv_cache(monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path) -> None:
+    """Auto mode on an Intel CPU host picks OpenVINO; its plan counts the f32 KV cache
+    OpenVINO will allocate there (Qwen2.5-0.5B: 2 x 24 layers x 2 KV heads x 64 x 4 B)."""
+    from localrun.hardware import HardwareProfile
+    from localrun.planning import plan
+    from tests.hubserver import BASE, start
+
+    profile = HardwareProfile.load(Path(__file__).parent / "profiles" / "xeon-cpu.json")
+    for _ in start(monkeypatch, tmp_path):
+        p = plan(BASE, hardware=profile, installed={"openvino": "2026.4.1",
+                                                    "llama.cpp": "0.3.36"}, context=4096)
+        assert (p.backend, p.format) == ("openvino", "openvino")
+        assert p.memory["kv_cache_bytes"] == 2 * 24 * 2 * 64 * 4 * 4096  # 96 MiB
+        # OpenVINO's CPU overhead: 320 MiB + 5% of the weights
+        assert abs(p.memory["overhead_bytes"] - 320 * MiB - p.memory["weights_bytes"] / 20) <= 1
+
+
+def test_gguf_quant_is_the_nearest_to_q4_k_m_that_fits(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    """The rule the README states: Q4_K_M when it fits, even with room for Q8_0 or F16
+    (not the largest that fits); else the quant nearest to it that does (Q4_K_S here)."""
+    from localrun import hub
+    from tests.hubserver import BASE, start
+
+    for _ in start(monkeypatch, tmp_path):
+        roomy = hub.plan_fetch(f"{BASE}-GGUF", backend="llama.cpp", device="cpu",
+                               memory_budget_bytes=8 * 2**30, context=256)
+        assert roomy.quant == "Q4_K_M"
+        need = {o.quant: o.needed_bytes for o in roomy.options}
+        assert need["F16"] is not None and need["Q4_K_M"] is not None
+        assert need["F16"] < 8 * 2**30  # the largest fits too, and is not the choice
+        tight = hub.plan_fetch(f"{BASE}-GGUF", backend="llama.cpp", device="cpu",
+                               memory_budget_bytes=need["Q4_K_M"] - 1, context=256)
+        assert tight.quant == "Q4_K_S" and tight.fits
