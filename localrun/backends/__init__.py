@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from localrun.backends.base import Backend
 
-BackendName = Literal["llama.cpp", "mlx", "exllamav2", "exllamav3", "openvino", "onnx"]
+BackendName = Literal["llama.cpp", "mlx", "exllamav2", "exllamav3", "openvino", "onnx",
+                      "vllm", "remote"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,14 @@ BACKENDS: dict[str, BackendSpec] = {
                     ("onnxruntime-genai",), "onnx", ("onnx",),
                     builds=(Build("onnxruntime-genai-cuda", "cuda", "onnx-cuda"),
                             Build("onnxruntime-genai-directml", "dml", "onnx-directml"))),
+        # vLLM lives in its own environment (it pins torch): localrun runs `vllm serve`
+        # from it and speaks HTTP, so only the HTTP client is needed here; whether a vLLM
+        # is there is asked of localrun.backends.vllm_env, never by importing vllm.
+        BackendSpec("vllm", "vLLM", "localrun.backends.vllm", ("httpx2",), "vllm",
+                    ("hf", "awq", "gptq", "fp8", "compressed-tensors")),
+        # An OpenAI-compatible server elsewhere (vLLM, SGLang, localrun serve).
+        BackendSpec("remote", "remote OpenAI-compatible server", "localrun.backends.remote",
+                    ("httpx2",), "remote", ("remote",)),
     )
 }
 
@@ -67,6 +76,7 @@ BACKEND_ALIASES: dict[str, str] = {
     "openvino-genai": "openvino", "openvino_genai": "openvino", "ov": "openvino",
     "onnxruntime-genai": "onnx", "onnxruntime_genai": "onnx", "ort": "onnx",
     "onnx-genai": "onnx",
+    "openai": "remote", "sglang": "remote",
 }
 
 
@@ -127,6 +137,27 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[str | tuple[str, ...], str]]] = {
         "PREFILL_HINT": (("DYNAMIC", "STATIC"), "NPU: prefill-stage shapes"),
     },
     "onnx": {},
+    "remote": {
+        "base_url": ("text", "the server's address, e.g. http://127.0.0.1:8000/v1"),
+        "api_key": ("text", "sent as 'Authorization: Bearer KEY'"),
+        "timeout": ("number", "seconds to wait for the next byte of a reply (default 600)"),
+    },
+    "vllm": {
+        "vllm_python": ("text", "the Python of the environment vLLM is installed in "
+                                "(default: LOCALRUN_VLLM_PYTHON, else `vllm` on PATH)"),
+        "tensor_parallel_size": ("int", "GPUs one copy of the model is split over "
+                                        "(default: the plan's)"),
+        "pipeline_parallel_size": ("int", "pipeline stages (nodes, with Ray; default 1)"),
+        "gpu_memory_utilization": ("number", "share of each GPU's memory vLLM takes "
+                                             "(default 0.9)"),
+        "max_model_len": ("int", "context window (default: context=, else the model's)"),
+        "quantization": ("text", "vLLM's --quantization (default: from the checkpoint)"),
+        "dtype": ("text", "weights' dtype: auto, bfloat16, float16 (default auto)"),
+        "enforce_eager": ("bool", "no CUDA graphs: faster start, slower decode"),
+        "port": ("int", "port for the vLLM server (default: a free one)"),
+        "startup_timeout": ("number", "seconds to wait for /health (default 900)"),
+        "extra_args": ("text", "more `vllm serve` arguments, as one shell-quoted string"),
+    },
 }
 
 
@@ -158,6 +189,10 @@ def engine_version(name: str) -> str | None:
     label, as torch names its builds: ``0.8.0+cuda`` for onnxruntime-genai-cuda 0.8.0.
     """
     spec = BACKENDS[canonical_backend(name)]
+    if spec.name == "vllm":  # installed in its own environment, not this one
+        from localrun.backends.vllm_env import vllm_version
+
+        return vllm_version()
     versions = []
     build = installed_build(spec.name)
     for i, dist in enumerate(spec.dists):
@@ -185,6 +220,8 @@ def installed_backends() -> dict[str, str]:
     """{backend name: engine version} for every installed engine (no imports)."""
     out = {}
     for name in BACKENDS:
+        if name == "remote":  # a server elsewhere: nothing to install, never planned
+            continue
         v = engine_version(name)
         if v is not None:
             out[name] = v
@@ -196,6 +233,8 @@ def get_backend(name: str) -> Backend:
     from localrun.errors import EngineNotInstalledError
 
     spec = BACKENDS[canonical_backend(name)]
+    if spec.name == "vllm":  # found at load time, in its own environment (vllm_env)
+        return importlib.import_module(spec.module).BACKEND  # type: ignore[no-any-return]
     if not is_installed(spec.name):
         raise EngineNotInstalledError(spec.title, spec.extra)
     module = importlib.import_module(spec.module)

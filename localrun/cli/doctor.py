@@ -114,11 +114,28 @@ def _engines(console: Console, installed: dict[str, str]) -> None:
 
     console.print("[bold]Engines[/]")
     for name, spec in BACKENDS.items():
+        if name == "remote":
+            continue  # a server elsewhere, not an engine here
+        if name == "vllm":
+            _vllm(console)
+            continue
         if name in installed:
             console.print(f"  [green]✓[/] {name:<10} {_e(spec.title)} {_e(installed[name])}")
         else:
             console.print(f"  [dim]✗ {name:<10} not installed: pip install "
                           f"'localrun\\[{_e(spec.extra)}]'[/]")
+
+
+def _vllm(console: Console) -> None:
+    """vLLM lives in an environment of its own: say which one localrun found, and how."""
+    from localrun.backends.vllm_env import INSTALL_HINT, find_vllm
+
+    env = find_vllm()
+    if env is None:
+        console.print(f"  [dim]✗ {'vllm':<10} not found: {_e(INSTALL_HINT)}[/]")
+        return
+    console.print(f"  [green]✓[/] {'vllm':<10} vLLM {_e(env.version or '(version unknown)')} "
+                  f"via {_e(env.source)}: {_e(' '.join(env.command))}")
 
 
 def _auto(console: Console, plan: Plan) -> None:

@@ -24,11 +24,11 @@ COMPAT: dict[str, dict[str, Support]] = {
     "exl3": {"exllamav3": "native"},
     "openvino": {"openvino": "native"},
     "onnx": {"onnx": "native"},
-    "gptq": {"exllamav2": "loads", "mlx": "loads"},
-    "awq": {"mlx": "loads"},
-    "hf": {"mlx": "loads", "exllamav3": "loads"},
-    "fp8": {},
-    "compressed-tensors": {},
+    "gptq": {"exllamav2": "loads", "mlx": "loads", "vllm": "native"},
+    "awq": {"mlx": "loads", "vllm": "native"},
+    "hf": {"mlx": "loads", "exllamav3": "loads", "vllm": "native"},
+    "fp8": {"vllm": "native"},
+    "compressed-tensors": {"vllm": "native"},
     "bitsandbytes": {},
     "mxfp4": {},
 }
@@ -103,6 +103,8 @@ CONVERT: dict[str, str] = {
     "exllamav3": "python exllamav3/convert.py -i MODEL_DIR -o OUT -w WORK -b 4.0",
     "openvino": "optimum-cli export openvino --model MODEL --weight-format int4 OUT",
     "onnx": "python -m onnxruntime_genai.models.builder -i MODEL_DIR -o OUT -p int4 -e cpu",
+    "vllm": "none needed: vLLM runs the Hub's safetensors (bf16/fp16, AWQ, GPTQ, FP8)",
+    "remote": "none: the server has the model",
 }
 
 
