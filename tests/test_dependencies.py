@@ -47,6 +47,14 @@ ENGINE_MODULES: dict[str, str] = {
              "their backends to build arrays for them",
 }
 
+#: Modules of the ``serve`` extra: imported only inside localrun/server/, which nothing
+#: imports but the ``serve`` command's function (tests/test_server_unit.py checks that
+#: ``import localrun`` and ``localrun --help`` leave them out). Declared in that extra.
+SERVE_MODULES: dict[str, str] = {
+    "fastapi": "fastapi", "starlette": "starlette", "uvicorn": "uvicorn",
+    "prometheus_client": "prometheus-client",
+}
+
 
 @dataclass(frozen=True)
 class Import:
@@ -113,6 +121,8 @@ def test_every_runtime_import_is_a_declared_dependency() -> None:
     dists = importlib.metadata.packages_distributions()
     where: dict[str, list[str]] = {}
     for imp in third_party_imports():
+        if imp.module in SERVE_MODULES and imp.file.startswith("localrun/server/"):
+            continue
         if imp.module not in ENGINE_MODULES and not imp.type_checking:
             where.setdefault(imp.module, []).append(f"{imp.file}:{imp.line}")
     assert "huggingface_hub" in where and "typer" in where  # the walk found the imports
@@ -126,6 +136,18 @@ def test_every_runtime_import_is_a_declared_dependency() -> None:
             missing.append(f"{module} (imported at {places[0]}) comes from "
                            f"{', '.join(sorted(owners))}, which [project].dependencies lacks")
     assert not missing, "\n".join(missing)
+
+
+def test_serve_modules_stay_in_the_server_package_and_its_extra() -> None:
+    found = [i for i in third_party_imports() if i.module in SERVE_MODULES]
+    assert found, "the walk found no import of the server's web stack"
+    outside = [f"{i.file}:{i.line} imports {i.module}" for i in found
+               if not i.file.startswith("localrun/server/")]
+    assert not outside, "\n".join(outside)
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    serve = {normalize(re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", r).group(1))  # type: ignore[union-attr]
+             for r in data["project"]["optional-dependencies"]["serve"]}
+    assert {normalize(d) for d in SERVE_MODULES.values()} <= serve
 
 
 def test_engine_modules_are_imported_only_lazily() -> None:

@@ -48,6 +48,7 @@ COMMANDS = (
     "models",
     "generate",
     "bench",
+    "serve",
 )
 
 

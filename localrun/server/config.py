@@ -1,0 +1,139 @@
+"""What ``localrun serve`` runs with: one frozen record, shared by the CLI, the app and tests."""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+from dataclasses import dataclass
+
+from localrun.errors import LocalrunError
+
+#: The documented default port. Chosen to collide with none of the servers people run
+#: next to localrun: Ollama 11434, LM Studio 1234, llama-server 8080 (9931 in newer
+#: builds), vLLM / llama-cpp-python 8000, mlx_lm.server 8080, Lemonade 13305.
+DEFAULT_PORT = 8799
+#: Ollama's default keep-alive, which clients built on it expect.
+DEFAULT_KEEP_ALIVE = 300.0
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_REQUEST_TIMEOUT = 600.0
+DEFAULT_DRAIN_TIMEOUT = 30.0
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one server. Durations in seconds; ``keep_alive`` None = forever."""
+
+    models: tuple[str, ...] = ()  # loaded at start and kept loaded (no keep-alive expiry)
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    parallel: int = 1
+    max_queue: int = DEFAULT_MAX_QUEUE
+    keep_alive: float | None = DEFAULT_KEEP_ALIVE
+    cors_origins: tuple[str, ...] = ()
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT  # None: no limit
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    #: bytes all loaded models may take together (None: the machine's available memory)
+    max_memory: int | None = None
+    insecure: bool = False
+    backend: str = "auto"
+    context: int | None = None
+    allow_unoptimized: bool = False
+
+    def check(self) -> None:
+        """Refuse settings that make no sense, or that would expose the server unasked."""
+        if not 0 <= self.port <= 65535:
+            raise LocalrunError(f"Invalid port {self.port}",
+                                hint="pass --port between 1 and 65535 (0 picks a free one)")
+        if self.parallel < 1:
+            raise LocalrunError(f"Invalid --parallel {self.parallel}",
+                                hint="pass --parallel 1 or more")
+        if self.max_queue < 0:
+            raise LocalrunError(f"Invalid --max-queue {self.max_queue}",
+                                hint="pass --max-queue 0 or more (0: never wait)")
+        if self.max_request_bytes < 1024:
+            raise LocalrunError(f"Invalid request size limit {self.max_request_bytes} bytes",
+                                hint="pass --max-request-mb 1 or more")
+        if self.api_key is not None and not self.api_key.strip():
+            raise LocalrunError("The API key is empty",
+                                hint="pass --api-key with a non-empty value, or leave it out")
+        if not is_loopback(self.host) and not self.api_key and not self.insecure:
+            raise LocalrunError(
+                f"Refusing to serve on {self.host} without an API key: anyone who can reach "
+                "this machine could use it",
+                hint=f"localrun serve --host {self.host} --api-key KEY (or set "
+                "LOCALRUN_API_KEY); --insecure to serve without one anyway")
+
+    @property
+    def url(self) -> str:
+        host = self.host
+        if host in ("0.0.0.0", "::"):
+            host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+
+def is_loopback(host: str) -> bool:
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def parse_duration(value: str | float | int | None, *, what: str = "keep_alive"
+                   ) -> float | None:
+    """Seconds from Ollama's keep-alive forms: a number of seconds, or a Go duration
+    ("5m", "1h30m", "250ms"). Negative means forever (None); 0 means at once."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise _bad_duration(value, what)
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise _bad_duration(value, what)
+        return None if value < 0 else float(value)
+    text = value.strip().lower()
+    if not text:
+        raise _bad_duration(value, what)
+    try:
+        number = float(text)
+    except ValueError:
+        pass
+    else:
+        return None if number < 0 else number
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    parts = _PART.findall(body)
+    if not parts or "".join(n + u for n, u in parts) != body:
+        raise _bad_duration(value, what)
+    seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    return None if sign < 0 else seconds
+
+
+def format_duration(seconds: float | None) -> str:
+    """The way people write it back: 5m, 1h30m, 45s, 0.5s; None is "forever"."""
+    if seconds is None:
+        return "forever"
+    if seconds < 60 and seconds != int(seconds):
+        return f"{seconds:g}s"
+    total = int(seconds)
+    h, rest = divmod(total, 3600)
+    m, sec = divmod(rest, 60)
+    out = (f"{h}h" if h else "") + (f"{m}m" if m else "") + (f"{sec}s" if sec else "")
+    return out or "0s"
+
+
+def _bad_duration(value: object, what: str) -> LocalrunError:
+    return LocalrunError(f"Invalid {what} {value!r}",
+                         hint=f"pass {what} as seconds (300) or a duration such as 5m, 1h, "
+                         "30s; -1 keeps the model loaded, 0 unloads it at once")

@@ -1,0 +1,200 @@
+"""One request's run on a model: its queue place, its worker thread, its deadline, and
+what stops it (the client going away, the timeout, the server draining).
+
+The engine runs in a worker thread (``localrun.Model.stream`` blocks); its chunks reach
+the event loop through a queue. The model's slot is given back when that thread ends,
+not when the HTTP response does, so the next request never finds the engine still busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from localrun.errors import IncompleteOutputError
+from localrun.server.errors import APIError
+from localrun.server.manager import Kind, Lease, Loaded, ModelManager
+from localrun.server.metrics import Metrics
+from localrun.types import CancelToken, Chunk, Completion
+
+EventKind = Literal["chunk", "done", "error"]
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: EventKind
+    chunk: Chunk | None = None
+    completion: Completion | None = None
+    result: Any = None  # what a non-streaming worker returned (embeddings)
+    error: BaseException | None = None
+
+
+class Job:
+    """Open with :meth:`open`; :meth:`run` starts the worker; :meth:`next` reads events;
+    :meth:`close` always (idempotent, synchronous: safe in a cancelled generator)."""
+
+    def __init__(self, request: Any, endpoint: str, metrics: Metrics,
+                 timeout: float | None) -> None:
+        self.request = request
+        self.endpoint = endpoint
+        self.metrics = metrics
+        self.t0 = time.monotonic()
+        self.deadline = None if timeout is None else self.t0 + timeout
+        self.timeout = timeout
+        self.token = CancelToken()
+        self.lease: Lease | None = None
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.first_token_at: float | None = None
+        self.completion: Any = None  # a Completion, or an embedding result
+        self.disconnected = False
+        self._thread: threading.Thread | None = None
+        self._loop = asyncio.get_running_loop()
+        self.gone = asyncio.Event()
+        self._watcher = self._loop.create_task(self._watch_disconnect())
+        self._closed = False
+        self._ran: Any = None  # the worker's own Completion, even when nobody read it
+
+    @classmethod
+    async def open(cls, request: Any, manager: ModelManager, endpoint: str, model: str, *,
+                   kind: Kind = "chat", context: int | None = None,
+                   keep_alive: Any = "default") -> Job:
+        job = cls(request, endpoint, manager.metrics, manager.config.request_timeout)
+        note = getattr(request, "state", None)
+        if note is not None:
+            note.asked = model  # for the access log (metrics label only loaded models)
+        try:
+            job.lease = await manager.acquire(model, kind=kind, context=context,
+                                              keep_alive=keep_alive, deadline=job.deadline,
+                                              abort=job.gone)
+        except BaseException:
+            job.close()
+            raise
+        return job
+
+    @property
+    def loaded(self) -> Loaded:
+        assert self.lease is not None
+        return self.lease.loaded
+
+    # -- the worker -------------------------------------------------------------------
+
+    def run(self, work: Callable[[CancelToken], Any]) -> None:
+        """Start ``work(token)`` in a thread: it returns a Stream (chunks are forwarded)
+        or any other value (forwarded as the "done" event's completion)."""
+        self._thread = threading.Thread(target=self._work, args=(work,), daemon=True,
+                                        name=f"localrun-{self.endpoint}")
+        self._thread.start()
+
+    def _put(self, event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def _work(self, work: Callable[[CancelToken], Any]) -> None:
+        try:
+            result = work(self.token)
+            if hasattr(result, "join") and hasattr(result, "__next__"):
+                with result:
+                    for chunk in result:
+                        self._put(Event("chunk", chunk=chunk))
+                    try:
+                        completion = result.join()
+                    except IncompleteOutputError as e:
+                        # the reply's JSON was cut by max_tokens: OpenAI answers it with
+                        # finish_reason "length", and so does localrun
+                        completion = e.completion  # type: ignore[assignment]
+                self._ran = completion
+                self._put(Event("done", completion=completion))
+            else:
+                self._put(Event("done", result=result))
+        except BaseException as e:
+            self._put(Event("error", error=e))
+        finally:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._worker_ended)
+
+    def _worker_ended(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            ran = self._ran
+            if self._closed and self.completion is None and isinstance(ran, Completion):
+                # ended early (disconnect, timeout): the tokens it did generate count
+                name = self.loaded.name
+                self.metrics.prompt_tokens.labels(model=name).inc(ran.usage.prompt_tokens)
+                self.metrics.completion_tokens.labels(model=name).inc(
+                    ran.usage.completion_tokens)
+
+    async def next(self) -> Event:
+        """The next event; on the deadline the run is cancelled and 504 raised."""
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        try:
+            event = await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            self.token.cancel()
+            raise APIError(504, f"Request timed out after {self.timeout:g} s "
+                           "(--request-timeout); generation was stopped",
+                           code="timeout") from None
+        if event.kind == "chunk" and self.first_token_at is None and event.chunk is not None \
+                and (event.chunk.text or getattr(event.chunk, "tool_calls", None)):
+            self.first_token_at = time.monotonic()
+        if event.kind == "done":
+            self.completion = event.completion if event.completion is not None \
+                else event.result
+        return event
+
+    # -- ending -----------------------------------------------------------------------
+
+    async def _watch_disconnect(self) -> None:
+        try:
+            while True:
+                message = await self.request.receive()
+                if message.get("type") == "http.disconnect":
+                    break
+        except Exception:
+            return
+        self.disconnected = True
+        self.gone.set()  # gives up the place in the queue
+        self.token.cancel()  # the engine stops at its next token
+
+    def close(self) -> None:
+        """Stop watching; cancel a run nobody will read; count the request."""
+        if self._closed:
+            return
+        self._closed = True
+        self._watcher.cancel()
+        if self._thread is None:
+            if self.lease is not None:
+                self.lease.release()  # never ran: the slot goes back now
+        elif self.completion is None:
+            self.token.cancel()  # ended early (error, disconnect, timeout)
+        self._record()
+
+    def _record(self) -> None:
+        if self.lease is None:
+            return
+        name = self.loaded.name
+        c = self.completion
+        if self.first_token_at is not None:
+            self.metrics.ttft.labels(model=name).observe(self.first_token_at - self.t0)
+        if isinstance(c, Completion):
+            usage = c.usage
+            self.metrics.prompt_tokens.labels(model=name).inc(usage.prompt_tokens)
+            self.metrics.completion_tokens.labels(model=name).inc(usage.completion_tokens)
+            if usage.completion_tokens > 1 and c.timings.total > c.timings.ttft:
+                tpot = (c.timings.total - c.timings.ttft) / (usage.completion_tokens - 1)
+                self.metrics.tpot.labels(model=name).observe(tpot)
+        note = getattr(self.request, "state", None)
+        if note is not None:
+            note.model = name
+            if isinstance(c, Completion):
+                note.prompt_tokens = c.usage.prompt_tokens
+                note.completion_tokens = c.usage.completion_tokens
+                note.finish = c.finish_reason
+            elif c is not None and isinstance(getattr(c, "tokens", None), int):
+                note.prompt_tokens = c.tokens
+                self.metrics.prompt_tokens.labels(model=name).inc(c.tokens)
+            note.queued = self.lease.queued_seconds

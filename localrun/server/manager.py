@@ -1,0 +1,456 @@
+"""Which models are loaded, who is using them, and when they go.
+
+Any name localrun accepts loads on its first request (plan → fit check → fetch, as
+``localrun.load`` does). Each loaded model has an admission queue: requests run one
+sequence at a time (``localrun.Model`` serializes calls; see the README for which
+engines batch), at most ``max_queue`` wait, and the next one gets 429 with
+``Retry-After``. Idle models unload after their keep-alive; when a model about to load
+would not fit, idle models go first, least recently used first.
+
+All bookkeeping happens on the event loop thread; engines load, run and close in
+worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from localrun.errors import LocalrunError, ModelTooLargeError
+from localrun.server.config import ServerConfig
+from localrun.server.errors import APIError
+from localrun.server.metrics import Metrics
+from localrun.types import ModelInfo
+
+log = logging.getLogger("localrun.server")
+
+Kind = Literal["chat", "embed"]
+
+
+@dataclass(eq=False)
+class Loaded:
+    """One loaded model (a ``localrun.Model``, or an embedder) and its queue."""
+
+    name: str  # as requested: what responses and /api/ps call it
+    kind: Kind
+    context: int | None  # the context asked for (None: the model's default)
+    handle: Any
+    info: ModelInfo
+    size: int  # bytes it is counted as (estimate: weights + KV cache + overhead)
+    pinned: bool  # named on the command line: no keep-alive expiry
+    keep_alive: float | None
+    load_seconds: float
+    slots: int
+    loaded_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    expires_at: float | None = None  # monotonic; None: not scheduled
+    active: int = 0  # admitted: running + waiting
+    running: int = 0
+    ema_seconds: float = 2.0  # recent request duration, for Retry-After
+    sem: asyncio.Semaphore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sem = asyncio.Semaphore(self.slots)
+
+    @property
+    def key(self) -> tuple[Kind, str, int | None]:
+        return (self.kind, self.name, self.context)
+
+    @property
+    def waiting(self) -> int:
+        return self.active - self.running
+
+    def expires_wall(self) -> float | None:
+        """Unix time it unloads (None: it stays)."""
+        if self.pinned or self.keep_alive is None:
+            return None
+        if self.expires_at is not None:
+            return time.time() + max(0.0, self.expires_at - time.monotonic())
+        return time.time() + self.keep_alive  # busy now: keep-alive counts from the end
+
+
+class Lease:
+    """One request's hold on a model: a place in its queue, then its slot."""
+
+    def __init__(self, manager: ModelManager, loaded: Loaded, keep_alive: float | None
+                 ) -> None:
+        self.manager = manager
+        self.loaded = loaded
+        self.keep_alive = keep_alive
+        self.has_slot = False
+        self.released = False
+        self.started = time.monotonic()
+        self.queued_seconds = 0.0
+
+    def release(self) -> None:
+        """Give back the slot and the place (idempotent; on the event loop thread)."""
+        if self.released:
+            return
+        self.released = True
+        self.manager._release(self)
+
+
+class ModelManager:
+    def __init__(self, config: ServerConfig, metrics: Metrics,
+                 loader: Callable[..., Any] | None = None,
+                 embed_loader: Callable[..., Any] | None = None,
+                 available_memory: Callable[[], int] | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._loader = loader or _load_chat
+        self._embed_loader = embed_loader or _load_embed
+        self._available = available_memory or _available_ram
+        self.models: dict[tuple[Kind, str, int | None], Loaded] = {}
+        self._load_lock: asyncio.Lock | None = None
+        self._reaper: asyncio.Task[None] | None = None
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._load_lock = asyncio.Lock()
+        for m in self.models.values():  # loaded before the loop ran (preload)
+            m.sem = asyncio.Semaphore(m.slots)
+        self._reaper = asyncio.create_task(self._reap_forever(), name="localrun-keep-alive")
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for m in list(self.models.values()):
+            await self._unload(m, "server stopping")
+
+    def preload(self, names: tuple[str, ...],
+                load: Callable[[str], Any] | None = None) -> list[Loaded]:
+        """Load the command line's models before serving (errors reach the CLI as is);
+        ``load(name)`` is the CLI's loader (download progress on the terminal)."""
+        out = []
+        for name in names:
+            t0 = time.monotonic()
+            handle = load(name) if load else self._loader(name, self.config, None)
+            out.append(self._register(name, "chat", None, handle, time.monotonic() - t0,
+                                      pinned=True, size=None))
+        return out
+
+    # -- using a model ----------------------------------------------------------------
+
+    def find(self, name: str, kind: Kind = "chat", context: int | None = None
+             ) -> Loaded | None:
+        return self.models.get((kind, name, context))
+
+    async def acquire(self, name: str, *, kind: Kind = "chat", context: int | None = None,
+                      keep_alive: float | Literal["default"] | None = "default",
+                      deadline: float | None = None,
+                      abort: asyncio.Event | None = None) -> Lease:
+        """Load ``name`` if needed, take a place in its queue (429 when full), then wait
+        for its slot (until ``deadline``, monotonic)."""
+        if not name or not isinstance(name, str):
+            raise APIError(400, "Missing 'model': name the model to use (see GET /v1/models)",
+                           param="model")
+        loaded = self.models.get((kind, name, context)) or \
+            await self._load(name, kind, context)
+        capacity = loaded.slots + self.config.max_queue
+        if loaded.active >= capacity:
+            self.metrics.rejected.labels(model=name, reason="queue_full").inc()
+            retry = self.retry_after(loaded)
+            raise APIError(
+                429, f"Model '{name}' is busy: {loaded.running} running and {loaded.waiting} "
+                f"waiting (--max-queue {self.config.max_queue}); retry in {retry} s",
+                code="queue_full", headers={"Retry-After": str(retry)})
+        ka = self.config.keep_alive if keep_alive == "default" else keep_alive
+        lease = Lease(self, loaded, ka)
+        loaded.active += 1
+        loaded.expires_at = None
+        self._gauge(loaded)
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await _wait_slot(loaded.sem, timeout, abort, name, lease.started)
+        except BaseException:
+            lease.release()
+            raise
+        lease.has_slot = True
+        lease.queued_seconds = time.monotonic() - lease.started
+        loaded.running += 1
+        self._gauge(loaded)
+        return lease
+
+    def retry_after(self, loaded: Loaded) -> int:
+        """Seconds until a place is likely free: the queue ahead × recent durations."""
+        ahead = max(1, loaded.waiting + 1) / max(1, loaded.slots)
+        return max(1, min(600, math.ceil(loaded.ema_seconds * ahead)))
+
+    def _release(self, lease: Lease) -> None:
+        m = lease.loaded
+        if lease.has_slot:
+            m.running -= 1
+            m.sem.release()
+            took = time.monotonic() - lease.started - lease.queued_seconds
+            m.ema_seconds = 0.8 * m.ema_seconds + 0.2 * took
+        m.active -= 1
+        m.last_used = time.monotonic()
+        m.keep_alive = lease.keep_alive  # Ollama's rule: the last request's, or the default
+        if m.active == 0 and not m.pinned and m.keep_alive is not None:
+            m.expires_at = m.last_used + m.keep_alive
+            if m.keep_alive == 0 and self.models.get(m.key) is m:
+                self._schedule_unload(m, "keep_alive 0")
+        self._gauge(m)
+
+    def _gauge(self, m: Loaded) -> None:
+        self.metrics.queue_depth.labels(model=m.name).set(m.waiting)
+        self.metrics.running.labels(model=m.name).set(m.running)
+
+    # -- loading and unloading --------------------------------------------------------
+
+    async def _load(self, name: str, kind: Kind, context: int | None) -> Loaded:
+        assert self._load_lock is not None, "ModelManager.start() was not called"
+        async with self._load_lock:  # one load at a time: the fit check sees the truth
+            found = self.models.get((kind, name, context))
+            if found is not None:
+                return found
+            if kind == "chat":
+                await asyncio.to_thread(_refuse_embedding_model, name, self.config)
+            need = await asyncio.to_thread(estimate_bytes, name, context, self.config)
+            await self._make_room(need, name)
+            loader = self._loader if kind == "chat" else self._embed_loader
+            t0 = time.monotonic()
+            while True:
+                try:
+                    handle = await asyncio.to_thread(loader, name, self.config, context)
+                    break
+                except ModelTooLargeError:
+                    # the library's own fit check (a Hub model we could not size first):
+                    # free what is idle and try again, then give up with its numbers
+                    victim = self._lru_idle()
+                    if victim is None:
+                        raise
+                    await self._unload(victim, f"to make room for {name}")
+            return self._register(name, kind, context, handle, time.monotonic() - t0,
+                                  pinned=False, size=need)
+
+    def _register(self, name: str, kind: Kind, context: int | None, handle: Any,
+                  seconds: float, *, pinned: bool, size: int | None) -> Loaded:
+        info: ModelInfo = handle.info
+        if size is None:
+            size = _estimate_path(info.path, context) or 0
+        m = Loaded(name=name, kind=kind, context=context, handle=handle, info=info,
+                   size=size, pinned=pinned, keep_alive=self.config.keep_alive,
+                   load_seconds=seconds, slots=1)
+        self.models[m.key] = m
+        self.metrics.models_loaded.set(len(self.models))
+        log.info("loaded %s (%s %s, %s) in %.2f s", name, info.backend, info.format,
+                 info.device or "?", seconds)
+        return m
+
+    def _fits(self, need: int, freed: int) -> bool:
+        if self.config.max_memory is not None:
+            used = sum(m.size for m in self.models.values())
+            return used + need <= self.config.max_memory
+        # what is free now, plus what unloading has given back but the OS may not
+        # show yet
+        return need <= self._available() + freed
+
+    async def _make_room(self, need: int | None, name: str) -> None:
+        if need is None:
+            return
+        freed = 0
+        while not self._fits(need, freed):
+            victim = self._lru_idle()
+            if victim is None:
+                break
+            freed += victim.size
+            await self._unload(victim, f"least recently used; {name} needs "
+                               f"{need / 2**30:.2f} GiB")
+        if self._fits(need, freed):
+            return
+        if self.config.max_memory is not None:
+            busy = [m.name for m in self.models.values() if m.active and not m.pinned]
+            if busy:
+                raise APIError(503, f"Not enough memory for '{name}' ({need / 2**30:.2f} GiB) "
+                               f"while {', '.join(busy)} are in use (--max-memory "
+                               f"{self.config.max_memory / 2**30:.2f} GiB)",
+                               code="insufficient_memory", headers={"Retry-After": "5"})
+            raise APIError(400, f"'{name}' needs {need / 2**30:.2f} GiB but --max-memory is "
+                           f"{self.config.max_memory / 2**30:.2f} GiB (raise --max-memory, or "
+                           "load it with a smaller context)", param="model",
+                           code="model_too_large")
+        # without --max-memory the library's own check decides (with its numbers)
+
+    def _lru_idle(self) -> Loaded | None:
+        """The idle model used longest ago; models named on the command line stay."""
+        idle = [m for m in self.models.values() if m.active == 0 and not m.pinned]
+        return min(idle, key=lambda m: m.last_used) if idle else None
+
+    async def unload(self, name: str, kind: Kind = "chat") -> bool:
+        """Unload every instance of ``name`` that is idle (Ollama's keep_alive 0)."""
+        done = False
+        for m in [m for m in self.models.values() if m.name == name and m.kind == kind]:
+            if m.active == 0:
+                await self._unload(m, "keep_alive 0")
+                done = True
+        return done
+
+    async def _unload(self, m: Loaded, why: str) -> None:
+        if self.models.get(m.key) is not m:
+            return
+        del self.models[m.key]
+        self.metrics.models_loaded.set(len(self.models))
+        log.info("unloading %s (%s)", m.name, why)
+        await asyncio.to_thread(m.handle.close)
+
+    def _schedule_unload(self, m: Loaded, why: str) -> None:
+        async def go() -> None:
+            if m.active == 0:
+                await self._unload(m, why)
+
+        asyncio.get_running_loop().create_task(go())
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            await self.reap()
+
+    async def reap(self) -> None:
+        """Unload the idle models whose keep-alive has run out."""
+        now = time.monotonic()
+        for m in list(self.models.values()):
+            if (m.active == 0 and not m.pinned and m.expires_at is not None
+                    and m.expires_at <= now):
+                await self._unload(m, "keep-alive expired")
+
+
+async def _wait_slot(sem: asyncio.Semaphore, timeout: float | None,
+                     abort: asyncio.Event | None, name: str, started: float) -> None:
+    """Take the model's slot; give up at the deadline (504) or when the client has gone
+    (499, nginx's "client closed request": logged, never seen by anyone)."""
+    take: asyncio.Future[Any] = asyncio.ensure_future(sem.acquire())
+    stop: asyncio.Future[Any] | None = None
+    waiting = {take}
+    if abort is not None:
+        stop = asyncio.ensure_future(abort.wait())
+        waiting.add(stop)
+    done: set[asyncio.Future[Any]] = set()
+    try:
+        done, _ = await asyncio.wait(waiting, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if stop is not None:
+            stop.cancel()
+        if take not in done:
+            take.cancel()
+            # it may have got the slot just now: then the slot goes straight back
+            take.add_done_callback(lambda t: sem.release() if not t.cancelled() else None)
+    if take in done:
+        return
+    if abort is not None and abort.is_set():
+        raise APIError(499, f"The client went away while queued for '{name}'",
+                       code="client_closed_request")
+    raise APIError(504, f"Request timed out after waiting {time.monotonic() - started:.1f} s "
+                   f"in the queue for '{name}' (--request-timeout)", code="timeout")
+
+
+# -- what loads models -------------------------------------------------------------------
+
+def _load_chat(name: str, config: ServerConfig, context: int | None) -> Any:
+    import warnings
+
+    from localrun.api import load
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unoptimized-format warning: the CLI said it
+        return load(name, backend=config.backend, context=context or config.context,
+                    allow_unoptimized=config.allow_unoptimized)
+
+
+def _load_embed(name: str, config: ServerConfig, context: int | None) -> Any:
+    from localrun.server.embeddings import load_embedder
+
+    return load_embedder(name, backend=config.backend, context=context,
+                         allow_unoptimized=config.allow_unoptimized)
+
+
+def _refuse_embedding_model(name: str, config: ServerConfig) -> None:
+    """An embedding-only model asked to chat: a clear 400 before any engine loads it."""
+    from localrun.server.embeddings import embedding_only
+
+    try:
+        from localrun.resolve import resolve_local
+
+        target = resolve_local(name, backend=config.backend,
+                               allow_unoptimized=config.allow_unoptimized)
+    except LocalrunError:
+        return  # not on disk (yet): the loader decides
+    if embedding_only(target.path, target.format):
+        raise APIError(400, f"'{name}' is an embedding model: it cannot generate text; use it "
+                       "with POST /v1/embeddings or /api/embed", param="model",
+                       code="model_not_generative")
+
+
+def _available_ram() -> int:
+    from localrun.memory import available_ram_bytes
+
+    return available_ram_bytes()
+
+
+def estimate_bytes(name: str, context: int | None, config: ServerConfig) -> int | None:
+    """Memory a model will take (weights + KV cache + overhead), before loading it.
+
+    From the files for a model on disk; from the Hub plan for one that is not (None
+    when neither can say: the library's own fit check then decides)."""
+    from localrun.resolve import resolve_local
+
+    ctx = context or config.context
+    try:
+        target = resolve_local(name, backend=config.backend,
+                               allow_unoptimized=config.allow_unoptimized)
+    except LocalrunError:
+        target = None
+    except Exception:
+        return None
+    if target is not None:
+        return _estimate_path(target.path, ctx)
+    try:
+        from localrun.planning import plan_fetch
+
+        _, fetch = plan_fetch(name, backend=config.backend, context=ctx,
+                              allow_unoptimized=config.allow_unoptimized)
+    except Exception:
+        return None
+    return fetch.memory.total_bytes if fetch is not None else None
+
+
+def _estimate_path(path: str, context: int | None) -> int | None:
+    from localrun.memory import (
+        context_window,
+        estimate,
+        shape_from_config,
+        shape_from_gguf_metadata,
+    )
+
+    p = Path(path)
+    try:
+        if p.is_file():
+            weights = p.stat().st_size
+            from localrun.formats.gguf import read_gguf
+
+            shape = shape_from_gguf_metadata(read_gguf(p, check_size=False).metadata)
+        else:
+            weights = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            shape = None
+            for cfg in ("config.json", "genai_config.json"):
+                if (p / cfg).is_file():
+                    shape = shape_from_config(json.loads((p / cfg).read_text("utf-8")))
+                    if shape is not None:
+                        break
+    except (OSError, ValueError, LocalrunError):
+        return None
+    ctx = context_window(context, shape.trained_context if shape else None)
+    return estimate(weights, shape, ctx).total_bytes
+
