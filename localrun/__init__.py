@@ -18,8 +18,10 @@ from localrun.errors import (
     InvalidSamplingError,
     LocalrunError,
     ModelFileError,
+    StructuredOutputError,
     UnknownModelError,
 )
+from localrun.structured.calls import ToolCall, ToolCallDelta
 from localrun.types import CancelToken, Chunk, Completion, Message, ModelInfo, Timings, Usage
 
 __version__ = "0.1.0"
@@ -49,7 +51,10 @@ __all__ = [
     "ModelInfo",
     "Plan",
     "Stream",
+    "StructuredOutputError",
     "Timings",
+    "ToolCall",
+    "ToolCallDelta",
     "UnknownModelError",
     "Usage",
     "__version__",

@@ -88,14 +88,48 @@ def normalize_messages(messages: object) -> list[Message]:
         )
     out: list[Message] = []
     for i, m in enumerate(messages):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(m, dict) and m.get("role") == "tool" and \
+                isinstance(content, (dict, list)):
+            content = json.dumps(content, ensure_ascii=False)  # a tool result as data
         if (
             not isinstance(m, dict)
             or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
+            or not (isinstance(content, str) or (content is None and calls))
         ):
             raise LocalrunError(
                 f"Message {i} is not a {{'role': str, 'content': str}} dict: {m!r}"[:200],
-                hint="every message needs a string 'role' (system/user/assistant) and 'content'",
+                hint="every message needs a string 'role' (system/user/assistant/tool) and "
+                "'content' (None only for an assistant turn with tool_calls)",
             )
-        out.append({"role": m["role"], "content": m["content"]})
+        msg: Message = {"role": m["role"], "content": content}  # type: ignore[typeddict-item]
+        if calls:
+            msg["tool_calls"] = _tool_calls(i, calls)
+        for key in ("tool_call_id", "name"):
+            if key in m:
+                if not isinstance(m[key], str):
+                    raise LocalrunError(f"Message {i}: {key} must be a string, got {m[key]!r}",
+                                        hint="pass the id of the tool call this result "
+                                        "answers (ToolCall.id)")
+                msg[key] = m[key]  # type: ignore[literal-required]
+        out.append(msg)
+    return out
+
+
+def _tool_calls(i: int, calls: object) -> list[dict[str, Any]]:
+    """An assistant turn's tool calls in OpenAI's shape (ToolCall objects accepted)."""
+    if not isinstance(calls, (list, tuple)):
+        raise LocalrunError(f"Message {i}: tool_calls must be a list",
+                            hint="pass completion.tool_calls (or their .to_dict())")
+    out: list[dict[str, Any]] = []
+    for c in calls:
+        if hasattr(c, "to_dict"):
+            c = c.to_dict()
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise LocalrunError(f"Message {i}: a tool call is not {{'id', 'function': "
+                                f"{{'name', 'arguments'}}}}: {c!r}"[:200],
+                                hint="pass completion.tool_calls (or their .to_dict())")
+        out.append(dict(c))
     return out

@@ -50,6 +50,7 @@ from typing import Any, Literal
 from localrun.backends.base import GenerationStats, Prompt, Session
 from localrun.backends.hf_config import eos_ids, read_json
 from localrun.errors import (
+    ConstrainedDecodingUnavailableError,
     EngineNotInstalledError,
     EngineUnavailableError,
     GenerationError,
@@ -61,6 +62,9 @@ from localrun.errors import (
 from localrun.hardware import GPUInfo, HardwareProfile
 from localrun.memory import CONTEXT_STEP, DEFAULT_CONTEXT_CAP, ModelShape, overhead_bytes
 from localrun.sampling import ResolvedSampling
+from localrun.structured.constraint import Constraint
+from localrun.structured.engines import LazyGrammar
+from localrun.structured.grammar import tokenizer_from_json
 from localrun.types import CancelToken, FinishReason
 
 Engine = Literal["exllamav2", "exllamav3"]
@@ -796,6 +800,36 @@ class ExLlamaSession(Session):
 
     generator: Any
     context: int
+    _grammar: LazyGrammar | None = None
+
+    def _structured_setup(self, folder: Path, template: ChatTemplate, bos: str, eos: str,
+                          stop: Sequence[int], vocab: object) -> None:
+        """The chat template for tool rendering, and llguidance from tokenizer.json."""
+        self.chat_template, self.bos_token, self.eos_token = template.template, bos, eos
+        width = vocab if isinstance(vocab, int) else None
+
+        def tokenizer() -> Any:
+            source = folder / "tokenizer.json"
+            if not source.is_file():
+                raise ConstrainedDecodingUnavailableError(
+                    ENGINE_TITLES.get(self.info.backend, "ExLlama"),
+                    f"{folder} has no tokenizer.json for llguidance",
+                    hint="structured output needs a Hugging Face fast tokenizer")
+            return tokenizer_from_json(source.read_text(encoding="utf-8"), list(stop), width)
+
+        self._grammar = LazyGrammar(self.info.backend, tokenizer, width)
+
+    def _encode(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
+        raise NotImplementedError  # pragma: no cover - engine-specific
+
+    def encode_rendered(self, text: str) -> Prompt:
+        return Prompt(self._encode(text, add_bos=False, special=True), text)
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        if self._grammar is None:
+            super().check_constraint(constraint)
+        else:
+            self._grammar.check(constraint)
 
     def make_job(self, prompt: Prompt, sampling: ResolvedSampling, limit: int,
                  identifier: int) -> Any:  # pragma: no cover - engine-specific

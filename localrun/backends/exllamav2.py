@@ -55,6 +55,7 @@ from localrun.backends.hf_config import architecture, sampling_defaults, trained
 from localrun.errors import InvalidOptionError, LocalrunError, ModelFileError
 from localrun.memory import ModelShape, shape_from_config
 from localrun.sampling import ResolvedSampling
+from localrun.structured.engines import exllamav2_filter
 from localrun.templates import render_chat
 from localrun.types import Message, ModelInfo
 
@@ -173,6 +174,8 @@ class ExLlamaV2Session(ExLlamaSession):
             architecture=architecture(config),
             name=model_name(config, folder),
         )
+        self._structured_setup(folder, template, self._bos, self._eos_text, self._stop,
+                               config.get("vocab_size"))
 
     # -- encoding ---------------------------------------------------------------------
 
@@ -205,7 +208,15 @@ class ExLlamaV2Session(ExLlamaSession):
             decode_special_tokens=False,
             token_healing=False,
             identifier=identifier,
+            **self._filters(sampling),
         )
+
+    def _filters(self, sampling: ResolvedSampling) -> dict[str, Any]:
+        """The llguidance filter of a constrained request (``filters=`` of the job)."""
+        if sampling.constraint is None or self._grammar is None:
+            return {}
+        mask = self._grammar.mask(sampling.constraint)
+        return {"filters": [exllamav2_filter(self._model, self._tokenizer, mask)]}
 
     def close(self) -> None:
         gen = getattr(self, "generator", None)

@@ -50,6 +50,7 @@ from localrun.backends.hf_config import architecture, sampling_defaults, trained
 from localrun.errors import LocalrunError, ModelFileError
 from localrun.memory import shape_from_config
 from localrun.sampling import ResolvedSampling
+from localrun.structured.engines import exllamav3_filter
 from localrun.templates import render_chat
 from localrun.types import Message, ModelInfo
 
@@ -152,6 +153,8 @@ class ExLlamaV3Session(ExLlamaSession):
             architecture=architecture(config),
             name=model_name(config, folder),
         )
+        self._structured_setup(folder, template, self._bos, self._eos_text, self._stop,
+                               config.get("vocab_size"))
 
     # -- encoding ---------------------------------------------------------------------
 
@@ -182,7 +185,15 @@ class ExLlamaV3Session(ExLlamaSession):
             decode_special_tokens=False,
             token_healing=False,
             identifier=identifier,
+            **self._filters(sampling),
         )
+
+    def _filters(self, sampling: ResolvedSampling) -> dict[str, Any]:
+        """exllamav3's LLGuidanceFilter for a constrained request (``filters=``)."""
+        if sampling.constraint is None or self._grammar is None:
+            return {}
+        grammar = self._grammar.compiler().grammar(sampling.constraint)
+        return {"filters": [exllamav3_filter(self._tokenizer, grammar)]}
 
     def close(self) -> None:
         gen = getattr(self, "generator", None)

@@ -4,6 +4,10 @@ We drive ``Llama.generate`` token by token rather than ``create_chat_completion`
 its defaults are not neutral (min_p 0.05, top_k 40), its streams carry no usage, and
 a token loop lets us count exactly, stop at the context's end and cancel between
 tokens. The chat template is the GGUF's own, rendered by :mod:`localrun.templates`.
+
+Sampling runs llama.cpp's own samplers, in transformers' order: penalties, temperature,
+top_k, top_p, min_p, then the draw (:func:`temperature_first`). llama-cpp-python's
+chain applies the temperature last, so its filters would act at temperature 1.
 """
 
 from __future__ import annotations
@@ -198,6 +202,7 @@ class LlamaCppSession(Session):
             self._llm = llama_cpp.Llama(model_path=request.path, n_ctx=n_ctx, **opts)
         except (ValueError, RuntimeError) as e:
             raise ModelFileError(request.path, f"llama.cpp could not load it ({e})") from e
+        temperature_first(self._llm, llama_cpp)
         self._vocab = self._llm._model.vocab
         # llama-cpp-python's token_to_piece returns its whole 32-byte buffer, NULs and
         # all; we call the C function ourselves and keep each token's bytes.
@@ -331,6 +336,41 @@ class LlamaCppSession(Session):
         if llm is not None:
             llm.close()
             self._llm = None  # type: ignore[assignment]
+
+
+def temperature_first(llm: Any, lc: Any) -> None:
+    """Make ``llm`` sample as transformers does: temperature before top_k, top_p, min_p.
+
+    ``Llama.generate`` builds its sampler chain with ``Llama._init_sampler`` on every
+    call: [logits processors], penalties, top_k, typical, top_p, min_p, temp, dist, so
+    top_p=0.05 at temperature 50 keeps only the most likely token. This wraps it: the
+    same chain is built with a negative temperature (llama-cpp-python then adds only
+    ``dist`` after the penalties), ``dist`` is taken off the end, and temp, top_k, top_p
+    and min_p go in before it is put back. The logits processors (structured output)
+    stay first and the seed stays the one ``dist`` was made with. Greedy (temp 0) and
+    mirostat chains are left as they are. All samplers are llama.cpp's, in C: no cost
+    per token.
+    """
+    build = llm._init_sampler
+
+    def init_sampler(*, temp: float, top_k: int, top_p: float, min_p: float,
+                     typical_p: float = 1.0, mirostat_mode: int = 0, **kwargs: Any) -> Any:
+        if temp <= 0 or mirostat_mode:
+            return build(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                         typical_p=typical_p, mirostat_mode=mirostat_mode, **kwargs)
+        sampler = build(temp=-1.0, top_k=top_k, top_p=top_p, min_p=min_p,
+                        typical_p=typical_p, mirostat_mode=mirostat_mode, **kwargs)
+        chain = sampler.sampler
+        dist = lc.llama_sampler_chain_remove(chain, lc.llama_sampler_chain_n(chain) - 1)
+        sampler.add_temp(temp)
+        sampler.add_top_k(top_k)
+        sampler.add_typical(typical_p, 1)
+        sampler.add_top_p(top_p, 1)
+        sampler.add_min_p(min_p, 1)
+        lc.llama_sampler_chain_add(chain, dist)
+        return sampler
+
+    llm._init_sampler = init_sampler
 
 
 def _token_text(model: Any, token: int) -> str:

@@ -16,10 +16,14 @@ How localrun's sampling options map onto mlx-lm:
 localrun               mlx-lm
 =====================  =========================================================
 temperature 0          ``make_sampler(temp=0)``: argmax (greedy)
-temperature > 0        ``make_sampler(temp=...)``
-top_p (1 = off)        ``top_p`` (mlx-lm applies it only when 0 < top_p < 1)
-top_k (0 = off)        ``top_k`` (0 = off, the same convention)
-min_p (0 = off)        ``min_p`` (0 = off)
+temperature > 0        **first**, then top_k, top_p, min_p (transformers' order), from
+                       mlx-lm's ``apply_top_k/apply_top_p/apply_min_p`` and
+                       ``categorical_sampling``: ``make_sampler`` applies the
+                       temperature last, and top_p before top_k
+                       (:func:`temperature_first_sampler`)
+top_p (1 = off)        ``apply_top_p`` (only when 0 < top_p < 1)
+top_k (0 = off)        ``apply_top_k`` (0 = off, the same convention)
+min_p (0 = off)        ``apply_min_p`` (0 = off)
 repetition_penalty     ``make_logits_processors(repetition_penalty=...)`` over the
                        last :data:`REPETITION_CONTEXT` tokens (llama.cpp's window);
                        not installed at 1.0
@@ -30,6 +34,10 @@ stop strings           handled by localrun's API layer (mlx-lm has none)
 EOS                    the tokenizer's ``eos_token_ids`` plus every id in
                        generation_config.json
 =====================  =========================================================
+
+Text comes from mlx-lm's streaming detokenizer with its trimming of the reply's first
+space turned off (:func:`keep_first_space`): a completion is the text that follows the
+prompt, " the" after "The cat is", as on every other engine.
 """
 
 from __future__ import annotations
@@ -59,9 +67,17 @@ from localrun.backends.hf_config import (
     sampling_defaults,
     trained_context,
 )
-from localrun.errors import EngineNotInstalledError, LocalrunError, ModelFileError
+from localrun.errors import (
+    ConstrainedDecodingUnavailableError,
+    EngineNotInstalledError,
+    LocalrunError,
+    ModelFileError,
+)
 from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
+from localrun.structured.constraint import Constraint
+from localrun.structured.engines import LazyGrammar, mlx_processor
+from localrun.structured.grammar import TokenMask, tokenizer_from_json
 from localrun.types import CancelToken, FinishReason, Message, ModelInfo
 
 #: Tokens the repetition penalty looks back over (llama.cpp's default repeat_last_n).
@@ -193,6 +209,7 @@ class MLXSession(Session):
         try:
             import mlx.core as mx
             import mlx_lm
+            from mlx_lm import sample_utils
             from mlx_lm.generate import generate_step
             from mlx_lm.sample_utils import make_logits_processors, make_sampler
         except ImportError as e:  # installed per metadata but broken
@@ -200,6 +217,7 @@ class MLXSession(Session):
         self._mx = mx
         self._generate_step = generate_step
         self._make_sampler = make_sampler
+        self._sample_utils = sample_utils
         self._make_logits_processors = make_logits_processors
         self._worker: _Worker | None = _shared_worker()
         try:
@@ -210,6 +228,12 @@ class MLXSession(Session):
             raise ModelFileError(str(path), f"mlx-lm could not load it "
                                  f"({type(e).__name__}: {str(e).strip()[:300]})") from e
         self._eos = frozenset(set(self._tok.eos_token_ids) | eos_ids(gen_config, config))
+        self.chat_template = getattr(self._tok, "chat_template", None)
+        self.bos_token = str(getattr(self._tok, "bos_token", None) or "")
+        self.eos_token = str(getattr(self._tok, "eos_token", None) or "")
+        vocab = config.get("vocab_size")
+        self._grammar = LazyGrammar("mlx", lambda: self._llg_tokenizer(path),
+                                    vocab if isinstance(vocab, int) else None)
         self.sampling_defaults = sampling_defaults(gen_config)
         quant = config.get("quantization")
         bits = quant.get("bits") if isinstance(quant, dict) else None
@@ -245,22 +269,40 @@ class MLXSession(Session):
     def encode_text(self, text: str) -> Prompt:
         return Prompt(list(self._tok.encode(text, add_special_tokens=True)), text)
 
+    def encode_rendered(self, text: str) -> Prompt:
+        return Prompt(list(self._tok.encode(text, add_special_tokens=False)), text)
+
+    # -- constrained decoding (llguidance as a logits processor) ------------------------
+
+    def _llg_tokenizer(self, folder: Path) -> Any:
+        source = folder / "tokenizer.json"
+        if not source.is_file():
+            raise ConstrainedDecodingUnavailableError(
+                "MLX", f"{folder} has no tokenizer.json for llguidance",
+                hint="structured output needs a Hugging Face fast tokenizer (tokenizer.json)")
+        return tokenizer_from_json(source.read_text(encoding="utf-8"), sorted(self._eos))
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        self._grammar.check(constraint)
+
     # -- generation -------------------------------------------------------------------
 
     def _run(self, prompt: Prompt, sampling: ResolvedSampling, limit: int, cancel: CancelToken,
              halt: threading.Event, out: queue.SimpleQueue[str | _Done],
-             stats: GenerationStats) -> None:
+             stats: GenerationStats, mask: TokenMask | None = None) -> None:
         """One request, on the worker thread."""
         mx = self._mx
         try:
             mx.random.seed(sampling.seed if sampling.seed is not None else secrets.randbits(32))
-            sampler = self._make_sampler(temp=sampling.temperature, top_p=sampling.top_p,
-                                         min_p=sampling.min_p, top_k=sampling.top_k)
+            sampler = self._make_sampler(temp=0.0) if sampling.greedy else \
+                temperature_first_sampler(self._sample_utils, sampling)
             processors = self._make_logits_processors(
                 repetition_penalty=sampling.repetition_penalty,
                 repetition_context_size=REPETITION_CONTEXT,
             ) if sampling.repetition_penalty != 1.0 else None
-            detok = self._tok.detokenizer
+            if mask is not None:  # first: the penalties then see only allowed tokens
+                processors = [mlx_processor(mask, len(prompt.tokens)), *(processors or [])]
+            detok = keep_first_space(self._tok.detokenizer)
             detok.reset()
             eos = self._eos
             steps = self._generate_step(mx.array(list(prompt.tokens)), self._model,
@@ -314,8 +356,9 @@ class MLXSession(Session):
         # The worker fills the engine timings into its own stats object; we count
         # the pieces the caller actually received.
         engine_stats = GenerationStats()
+        mask = self._grammar.mask(sampling.constraint) if sampling.constraint else None
         worker.submit(lambda: self._run(prompt, sampling, limit, cancel, halt, out,
-                                        engine_stats))
+                                        engine_stats, mask))
         done: _Done | None = None
         try:
             while True:
@@ -345,6 +388,55 @@ class MLXSession(Session):
         worker, self._worker = self._worker, None
         if worker is not None:
             self._model = None
+
+
+def temperature_first_sampler(su: Any, sampling: ResolvedSampling) -> Callable[[Any], Any]:
+    """A ``generate_step`` sampler that filters the distribution at the call's temperature.
+
+    mlx-lm's ``make_sampler`` runs top_p, min_p, then top_k on the temperature-1
+    log-probabilities and divides by the temperature only to draw, so top_p=0.05 at
+    temperature 50 keeps only the most likely token. Here the log-probabilities are
+    divided by the temperature and renormalized first (so a low temperature cannot
+    underflow top_p's probabilities to 0), then top_k, top_p and min_p act in
+    transformers' order. mlx-lm's ``logits_processors`` (repetition penalty, structured
+    output) run before any sampler, as transformers' processors run before its warpers.
+    """
+    import mlx.core as mx
+
+    inv_t = 1.0 / sampling.temperature
+    top_k, top_p, min_p = sampling.top_k, sampling.top_p, sampling.min_p
+
+    def sample(logprobs: Any) -> Any:
+        x = logprobs * inv_t
+        x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        if 0 < top_k < x.shape[-1]:
+            x = su.apply_top_k(x, top_k)
+        if 0 < top_p < 1.0:
+            x = su.apply_top_p(x, top_p)
+        if min_p > 0:
+            x = su.apply_min_p(x, min_p, 1)
+        return su.categorical_sampling(x, 1.0)
+
+    return sample
+
+
+def keep_first_space(detok: Any) -> Any:
+    """mlx-lm's streaming detokenizer with the first space of the text kept.
+
+    The BPE and SentencePiece detokenizers drop a leading space of their text
+    (``_maybe_trim_space``, ``trim_space``): the reply to "The cat is" would read
+    "the" where llama.cpp, OpenVINO and ONNX give " the". The naive detokenizer (models
+    without tokenizer.json) decodes with the tokenizer itself and is left as it is.
+    """
+    if hasattr(detok, "trim_space"):  # SPMStreamingDetokenizer
+        detok.trim_space = False
+    if hasattr(detok, "_maybe_trim_space"):  # BPEStreamingDetokenizer
+
+        def keep(text: str) -> str:
+            return text
+
+        detok._maybe_trim_space = keep
+    return detok
 
 
 class MLXBackend:

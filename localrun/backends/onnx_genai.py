@@ -11,12 +11,22 @@ localrun               ONNX Runtime GenAI
 =====================  =========================================================
 temperature 0          ``do_sample=False`` (greedy)
 temperature > 0        ``do_sample=True``, ``temperature``
-top_p (1 = off)        ``top_p``
+top_p (1 = off)        with top_k > 1: ``top_p`` (checked: the engine's top-k-then-
+                       top-p sampler keeps exactly transformers' nucleus, at the
+                       temperature). With top_k 0, or with min_p: **computed by
+                       localrun** (:func:`own_nucleus`), the exact nucleus of the
+                       penalized, tempered, top-k-limited distribution, masked
+                       through ``get_logits/set_logits``, and the engine gets
+                       ``top_p=1``: its top-p-only sampler bounds the tail loosely
+                       (top_p=0.01 at temperature 1 sampled almost freely), and
+                       min_p masked before its nucleus would shrink the mass it
+                       measures against
 top_k (0 = off)        ``top_k=0`` (checked: 0 samples from the whole vocabulary,
                        as top_k=vocab_size does; the engine's default is 50)
 min_p (0 = off)        **not in the engine**: localrun masks logits below
-                       ``max_logit + ln(min_p)`` (p < min_p * p_max) through
-                       ``get_logits/set_logits`` before each token, only when > 0
+                       ``max_logit + T * ln(min_p)`` (p < min_p * p_max at the
+                       temperature T, as transformers' MinPLogitsWarper) in the
+                       same pass, only when > 0
 repetition_penalty     ``repetition_penalty``; gap: the engine's window (not
                        configurable), where llama.cpp and MLX use the last 64 tokens
 seed                   ``random_seed``; unset draws a fresh seed
@@ -40,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from localrun.backends import engine_version
+from localrun.backends._exllama import read_chat_template
 from localrun.backends.base import (
     GenerationStats,
     LoadRequest,
@@ -55,6 +66,7 @@ from localrun.backends.hf_config import (
     token_ids,
 )
 from localrun.errors import (
+    ConstrainedDecodingUnavailableError,
     EngineNotInstalledError,
     EngineUnavailableError,
     LocalrunError,
@@ -63,6 +75,9 @@ from localrun.errors import (
 from localrun.formats.integrity import check_onnx_genai
 from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
+from localrun.structured.constraint import Constraint
+from localrun.structured.engines import LazyGrammar, onnx_mask_logits
+from localrun.structured.grammar import tokenizer_from_json
 from localrun.types import CancelToken, Message, ModelInfo
 
 #: localrun device names -> ONNX Runtime GenAI execution providers. ``cuda:1`` / ``dml:1``
@@ -187,6 +202,12 @@ class OnnxGenAISession(Session):
                               | eos_ids(gen_config, config))
         self.sampling_defaults = sampling_defaults(gen_config) if gen_config else (
             sampling_defaults(search) if isinstance(search, dict) else {})
+        template = read_chat_template(path)
+        self.chat_template, self.bos_token, self.eos_token = \
+            template.template, template.bos_token, template.eos_token
+        vocab = model_cfg.get("vocab_size")
+        self._grammar = LazyGrammar("onnx", lambda: self._llg_tokenizer(path),
+                                    vocab if isinstance(vocab, int) else None)
         trained = model_cfg.get("context_length")
         trained = trained if isinstance(trained, int) and trained > 0 else None
         self.info = ModelInfo(
@@ -218,6 +239,22 @@ class OnnxGenAISession(Session):
     def encode_text(self, text: str) -> Prompt:
         return Prompt([int(t) for t in self._tok.encode(text)], text)
 
+    def encode_rendered(self, text: str) -> Prompt:
+        return Prompt([int(t) for t in self._chat_tok.encode(text)], text)
+
+    # -- constrained decoding (llguidance through get_logits/set_logits) ----------------
+
+    def _llg_tokenizer(self, folder: Path) -> Any:
+        source = folder / "tokenizer.json"
+        if not source.is_file():
+            raise ConstrainedDecodingUnavailableError(
+                "ONNX Runtime GenAI", f"{folder} has no tokenizer.json for llguidance",
+                hint="structured output needs a Hugging Face fast tokenizer (tokenizer.json)")
+        return tokenizer_from_json(source.read_text(encoding="utf-8"), sorted(self._eos))
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        self._grammar.check(constraint)
+
     # -- generation -------------------------------------------------------------------
 
     def _params(self, sampling: ResolvedSampling, total: int) -> Any:
@@ -234,7 +271,7 @@ class OnnxGenAISession(Session):
         if not sampling.greedy:
             options.update(
                 temperature=sampling.temperature,
-                top_p=sampling.top_p,
+                top_p=1.0 if own_nucleus(sampling) else sampling.top_p,
                 top_k=sampling.top_k,
                 random_seed=sampling.seed if sampling.seed is not None
                 else secrets.randbits(31),
@@ -257,8 +294,9 @@ class OnnxGenAISession(Session):
                                        self._params(sampling, len(prompt.tokens) + limit))
         decode = self._tok.create_stream().decode
         eos = self._eos
-        min_p_logit = math.log(sampling.min_p) if sampling.min_p > 0 and not sampling.greedy \
-            else None
+        filters = not sampling.greedy and sampling.top_k != 1 and (
+            sampling.min_p > 0 or own_nucleus(sampling))
+        mask = self._grammar.mask(sampling.constraint) if sampling.constraint else None
         t0 = time.perf_counter()
         generator.append_tokens(list(prompt.tokens))
         t1 = time.perf_counter()
@@ -267,8 +305,10 @@ class OnnxGenAISession(Session):
         t_first = t_last = 0.0
         try:
             while not generator.is_done():
-                if min_p_logit is not None:
-                    _mask_min_p(generator, min_p_logit)
+                if mask is not None:  # first: min_p then measures against allowed tokens
+                    onnx_mask_logits(generator, mask)
+                if filters:
+                    _mask_filters(generator, sampling)
                 generator.generate_next_token()
                 token = int(generator.get_next_tokens()[0])
                 t_last = time.perf_counter()
@@ -277,6 +317,8 @@ class OnnxGenAISession(Session):
                 if token in eos:
                     stats.finish_reason = "stop"
                     return
+                if mask is not None:
+                    mask.consume(token)
                 stats.completion_tokens += 1
                 yield decode(token)
                 if stats.completion_tokens >= limit or cancel.cancelled:
@@ -296,14 +338,88 @@ class OnnxGenAISession(Session):
         self._model = None
 
 
-def _mask_min_p(generator: Any, min_p_logit: float) -> None:
-    """Drop tokens with p < min_p * p_max (the engine has no min_p)."""
+def own_nucleus(sampling: ResolvedSampling) -> bool:
+    """Whether localrun computes top_p (see the table above) rather than the engine."""
+    return sampling.top_p < 1.0 and (sampling.top_k == 0 or sampling.min_p > 0)
+
+
+def _mask_filters(generator: Any, sampling: ResolvedSampling) -> None:
+    """Drop the tokens top_p and min_p exclude, on the distribution transformers filters:
+    repetition penalty, then temperature, then top_k (the engine applies its penalty and
+    top_k after this mask: a masked token stays masked, and the kept ones are the same).
+    min_p drops p < min_p * p_max (the engine has none); top_p keeps the smallest set of
+    most likely tokens, among the top_k, whose probability reaches top_p. min_p is
+    relative to p_max, which the nucleus always keeps, so the two sets intersect."""
     import numpy as np
 
-    logits = generator.get_logits()
-    cut = logits.max(axis=-1, keepdims=True) + min_p_logit
-    generator.set_logits(np.where(logits < cut, np.float32(-np.inf), logits)
-                         .astype(np.float32, copy=False))
+    logits = generator.get_logits()  # (1, 1, vocab) float32
+    row = logits.reshape(-1)
+    scores = row
+    if sampling.repetition_penalty != 1.0:  # the engine's: every token of the sequence
+        seen = np.unique(np.asarray(generator.get_sequence(0)))
+        seen = seen[(seen >= 0) & (seen < row.shape[0])]
+        scores = row.copy()
+        hit = scores[seen]
+        scores[seen] = np.where(hit < 0, hit * sampling.repetition_penalty,
+                                hit / sampling.repetition_penalty)
+    kept = _nucleus(scores, sampling) if own_nucleus(sampling) else None
+    if sampling.min_p > 0:
+        cut = scores.max() + sampling.temperature * math.log(sampling.min_p)
+        kept = np.flatnonzero(scores >= cut) if kept is None else kept[scores[kept] >= cut]
+    if kept is None:
+        return
+    out = np.full(row.shape, -np.inf, dtype=np.float32)
+    out[kept] = row[kept]
+    generator.set_logits(out.reshape(logits.shape))
+
+
+def _nucleus(scores: Any, sampling: ResolvedSampling) -> Any:
+    """The token ids of the top_p nucleus of softmax(scores / T) over the top_k.
+
+    Sorting the whole vocabulary costs ~3-8 ms a token on a 2-core CPU (as much as a
+    SmolLM2-135M step), so only the most likely tokens are sorted: the top_k (ties
+    included, as transformers' TopK keeps them), found among the tokens within a few
+    logits of the best; without top_k, the tokens at least 1e-3 times as likely as the
+    best, then eight times more tokens while their mass stays short of top_p."""
+    import numpy as np
+
+    size = scores.shape[0]
+    best = scores.max()
+    inv_t = np.float32(1.0 / sampling.temperature)
+    if 0 < sampling.top_k < size:
+        # the top_k lie among the tokens near the best: widen until there are enough
+        width = 8.0
+        pool = np.flatnonzero(scores >= best - width)
+        while pool.shape[0] < sampling.top_k:
+            width = width * 4 if width < 1e4 else math.inf
+            pool = np.flatnonzero(scores >= best - width)
+        if pool.shape[0] > sampling.top_k:
+            near = scores[pool]
+            cut = np.partition(near, near.shape[0] - sampling.top_k)[
+                near.shape[0] - sampling.top_k]
+            pool = pool[near >= cut]
+        pool = pool[np.argsort(-scores[pool], kind="stable")]
+        mass = np.cumsum(np.exp((scores[pool] - best) * inv_t), dtype=np.float64)
+        n = int(np.searchsorted(mass, sampling.top_p * mass[-1])) + 1
+        return pool[:min(n, pool.shape[0])]
+    probs = np.subtract(scores, best, dtype=np.float32)
+    probs *= inv_t
+    np.exp(probs, out=probs)  # relative to the best token's: 1 for it
+    target = sampling.top_p * float(probs.sum(dtype=np.float64))
+    # first the tokens at least 1e-3 times as likely as the best (a few hundred), unless
+    # the distribution is flat (a high temperature): then the k most likely
+    top = np.flatnonzero(probs >= 1e-3)
+    k = 0 if top.shape[0] <= 2048 else 64
+    while True:
+        if k:  # the k most likely, ties included
+            top = np.flatnonzero(scores >= np.partition(scores, size - k)[size - k]) \
+                if k < size else np.arange(size)
+        top = top[np.argsort(-scores[top], kind="stable")]  # by id among equals
+        mass = np.cumsum(probs[top], dtype=np.float64)
+        if mass[-1] >= target or top.shape[0] >= size:
+            n = int(np.searchsorted(mass, target)) + 1
+            return top[:min(n, top.shape[0])]
+        k = min(max(k, top.shape[0], 8) * 8, size)
 
 
 def _quantization(folder: Path) -> str | None:

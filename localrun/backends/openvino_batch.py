@@ -27,6 +27,7 @@ from typing import Any
 
 from localrun.backends.base import GenerationStats, Prompt, Session
 from localrun.sampling import ResolvedSampling
+from localrun.structured.engines import is_openvino_grammar_error, openvino_schema_error
 from localrun.types import CancelToken, FinishReason
 
 #: Tokens the scheduler may process in one step (prefill chunks + one per decoding
@@ -108,6 +109,12 @@ class ContinuousBatcher:
                     stats[k].finish_reason = reason or "length"
                     del active[k]
                     yield k, None
+        except RuntimeError as e:  # XGrammar refusing a schema (raised by add_request/step)
+            constraint = next((s.constraint for s in samplings if s.constraint is not None),
+                              None)
+            if constraint is not None and is_openvino_grammar_error(e):
+                raise openvino_schema_error(constraint, e) from e
+            raise
         finally:
             for handle, _ in active.values():  # closed early: free their KV blocks
                 handle.cancel()

@@ -61,13 +61,16 @@ from localrun.errors import (
     EngineNotInstalledError,
     LocalrunError,
     ModelFileError,
-    UnsupportedSchemaError,
 )
 from localrun.formats.integrity import check_openvino_ir
 from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
-from localrun.structured.engines import is_openvino_grammar_error, openvino_structured_config
+from localrun.structured.engines import (
+    is_openvino_grammar_error,
+    openvino_schema_error,
+    openvino_structured_config,
+)
 from localrun.types import CancelToken, FinishReason, Message, ModelInfo
 
 #: Files an OpenVINO GenAI LLM folder must have. A Tokenizer without its IRs
@@ -414,10 +417,8 @@ class OpenVINOSession(Session):
                 yield item
             if done.error is not None:
                 if sampling.constraint is not None and is_openvino_grammar_error(done.error):
-                    raise UnsupportedSchemaError(sampling.constraint.label,
-                                                 _first_line(done.error).split("]")[-1]
-                                                 .split(": ", 1)[-1], backend="openvino"
-                                                 ) from done.error
+                    raise openvino_schema_error(sampling.constraint, done.error) \
+                        from done.error
                 raise done.error
             stats.finish_reason = done.reason
         finally:

@@ -132,8 +132,15 @@ def chat(
     context: o.Context = None,
     backend: o.Backend = "auto",
     allow_unoptimized: o.AllowUnoptimized = False,
+    base_url: o.BaseUrl = None,
+    api_key: o.ApiKey = None,
+    vllm_python: o.VllmPython = None,
+    schema: o.SchemaFile = None,
+    json_object: o.JsonObject = False,
 ) -> None:
     """Chat with a model in the terminal (default: the embedded SmolLM2-135M).
+
+    --schema FILE / --json-object make every reply JSON (enforced by the engine).
 
     Type /help inside the chat for its commands. When stdin is not a terminal,
     the whole input is one message: it is answered once and chat exits. A reply
@@ -155,6 +162,7 @@ def chat(
                                  top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                  seed=seed, stop=stop)
     make_sampling(**sampling)
+    structured = o.structured_kwargs(schema, json_object)
     convert = f"convert it first: {CONVERT} FILE | localrun chat"
     if system is not None:
         check_text("--system", system, hint="pass UTF-8 text")
@@ -164,7 +172,8 @@ def chat(
         if not text.strip():
             raise LocalrunError("No input on stdin", hint='echo "your question" | localrun chat')
 
-    with o.load_model(model, backend, context, allow_unoptimized) as m:
+    with o.load_model(model, backend, context, allow_unoptimized,
+                      base_url=base_url, api_key=api_key, vllm_python=vllm_python) as m:
         if "max_tokens" not in sampling and _is_embedded(m):
             sampling["max_tokens"] = EMBEDDED_CHAT_MAX_TOKENS
         history: list[dict[str, str]] = []
@@ -177,7 +186,7 @@ def chat(
         if not interactive:
             history.append({"role": "user", "content": text})
             reply = _Reply()
-            with m.stream(conversation(), **sampling) as stream:
+            with m.stream(conversation(), **structured, **sampling) as stream:
                 _print_reply(stream, reply)
             sys.stdout.write("\n")
             if reply.note:
@@ -230,7 +239,7 @@ def chat(
                     sys.stderr.write(f"Unknown command {cmd}; /help lists them.\n")
                 continue
             history.append({"role": "user", "content": message})
-            stream = m.stream(conversation(), **sampling)
+            stream = m.stream(conversation(), **structured, **sampling)
             reply = _Reply()
             try:
                 _print_reply(stream, reply)

@@ -347,8 +347,16 @@ def generate(
     context: o.Context = None,
     backend: o.Backend = "auto",
     allow_unoptimized: o.AllowUnoptimized = False,
+    base_url: o.BaseUrl = None,
+    api_key: o.ApiKey = None,
+    vllm_python: o.VllmPython = None,
+    schema: o.SchemaFile = None,
+    json_object: o.JsonObject = False,
 ) -> None:
     """Run every prompt of a file and append each result to a JSONL file as it finishes.
+
+    --schema FILE / --json-object make every reply JSON (enforced by the engine); a reply
+    cut short by --max-tokens is then a failure line.
 
     Each output line: {"id", "text", "finish_reason", "usage", "timings"}.
 
@@ -386,6 +394,7 @@ def generate(
                                  top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                  seed=seed, stop=stop)
     make_sampling(**sampling)  # validate flags before reading or loading anything
+    structured = o.structured_kwargs(schema, json_object)
     if system is not None:
         from localrun.cli._input import check_text
 
@@ -416,11 +425,12 @@ def generate(
                   highlight=False)
         return
 
-    with o.load_model(model, backend, context, allow_unoptimized) as m:
+    with o.load_model(model, backend, context, allow_unoptimized,
+                      base_url=base_url, api_key=api_key, vllm_python=vllm_python) as m:
         out = Output(output, previous.size, redo & {r.key for r in todo})
         try:
-            _run(m, out, todo, sampling, concurrency, fail_fast, progress, tally, err,
-                 len(records))
+            _run(m, out, todo, {**structured, **sampling}, concurrency, fail_fast, progress,
+                 tally, err, len(records))
         finally:
             out.close()
 

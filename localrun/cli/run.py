@@ -31,8 +31,16 @@ def run(
     context: o.Context = None,
     backend: o.Backend = "auto",
     allow_unoptimized: o.AllowUnoptimized = False,
+    base_url: o.BaseUrl = None,
+    api_key: o.ApiKey = None,
+    vllm_python: o.VllmPython = None,
+    schema: o.SchemaFile = None,
+    json_object: o.JsonObject = False,
 ) -> None:
     """Answer one prompt and exit; the reply streams to stdout.
+
+    --schema FILE / --json-object make the reply JSON (enforced by the engine); --json
+    prints the whole Completion as JSON (with "parsed" when a schema was given).
 
     Examples:
 
@@ -41,6 +49,8 @@ def run(
       echo "Name three primary colours." | localrun run smollm2:135m --temperature 0
 
       localrun run ./model.gguf "Hi" --json
+
+      localrun run smollm2:135m "Ann is 31 and lives in Oslo." --schema person.json
     """
     from localrun.cli._input import CONVERT, check_text, read_stdin
     from localrun.errors import LocalrunError
@@ -63,16 +73,18 @@ def run(
     from localrun.api import make_sampling  # validate flags before loading anything
 
     make_sampling(**sampling)
-    with o.load_model(model, backend, context, allow_unoptimized) as m:
+    structured = o.structured_kwargs(schema, json_object)
+    with o.load_model(model, backend, context, allow_unoptimized,
+                      base_url=base_url, api_key=api_key, vllm_python=vllm_python) as m:
         if raw:
             if system:
                 raise LocalrunError("--system has no meaning with --raw",
                                     hint="drop one of them")
-            stream = m.stream(prompt, raw=True, **sampling)
+            stream = m.stream(prompt, raw=True, **structured, **sampling)
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
-            stream = m.stream(messages, **sampling)
+            stream = m.stream(messages, **structured, **sampling)
         with stream:
             if json_out:
                 completion = stream.join()
@@ -83,7 +95,8 @@ def run(
             for chunk in stream:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
-        sys.stdout.write("\n")
+            sys.stdout.write("\n")
+            stream.join()  # a JSON reply cut short by --max-tokens is an error, not a reply
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,399 @@
+"""How each engine enforces a :class:`Constraint` (checked with the versions in
+docs/engines.md; each hook is the engine's documented one).
+
+=================  ===========================================================  ==========
+engine             hook                                                         grammar
+=================  ===========================================================  ==========
+llama.cpp          ``Llama.generate(logits_processor=...)``: the mask is the    llguidance
+                   first sampler of the chain, before penalties and
+                   temperature; each sampled token is fed to the matcher
+MLX                ``generate_step(logits_processors=[...])``: the processor    llguidance
+                   sees every token so far (prompt included) and the logits
+ONNX Runtime       ``Generator.get_logits()``/``set_logits()`` before each      llguidance
+GenAI              ``generate_next_token()`` (the same hook as min_p)
+ExLlamaV2          a ``ExLlamaV2Filter`` that masks the logits                  llguidance
+                   (``can_mask_logits``), fed each token by the generator
+ExLlamaV3          the engine's ``LLGuidanceFilter(llg_grammar=...)``           llguidance
+                   (exllamav3 >= 1.6)
+OpenVINO GenAI     ``GenerationConfig.structured_output_config``: no logits     XGrammar
+                   hook in ``LLMPipeline``; ``json_schema=`` and, for
+                   ``tool_choice="auto"``, ``TriggeredTags`` (2025.3+)
+=================  ===========================================================  ==========
+
+ONNX Runtime GenAI also has ``GeneratorParams.set_guidance`` (its own llguidance
+build); localrun masks through ``get_logits``/``set_logits`` instead so that the
+same llguidance version and JSON layout serve llama.cpp, MLX and ONNX alike
+(measured here: about 85 vs 105 tok/s constrained, both faster than unconstrained
+sampling over the whole vocabulary). Every schema is checked with llguidance before an
+engine sees it, OpenVINO included: XGrammar silently ignores some keywords llguidance
+refuses (``uniqueItems``), and refuses some llguidance takes (``minProperties`` beyond
+the listed properties): those raise :class:`UnsupportedSchemaError` naming OpenVINO.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from localrun.errors import ConstrainedDecodingUnavailableError, UnsupportedSchemaError
+from localrun.structured.constraint import Constraint
+from localrun.structured.grammar import GrammarCompiler, TokenMask
+
+
+class LazyGrammar:
+    """One model's llguidance compiler, built on first use (building llguidance's
+    tokenizer takes ~0.5 s per 50k tokens) and shared by its requests."""
+
+    def __init__(self, backend: str, make_tokenizer: Callable[[], Any],
+                 width: int | None = None) -> None:
+        self.backend = backend
+        self._make = make_tokenizer
+        self._width = width
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def compiler(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self._make(), self._width)
+            return self._compiler
+
+    def check(self, constraint: Constraint) -> None:
+        """Compile now (cached): schema errors before any token is generated."""
+        try:
+            self.compiler().grammar(constraint)
+        except UnsupportedSchemaError as e:
+            raise UnsupportedSchemaError(e.what, e.detail, backend=self.backend) from e
+
+    def mask(self, constraint: Constraint) -> TokenMask:
+        return self.compiler().mask(constraint, self.backend)
+
+
+# -- llama.cpp -----------------------------------------------------------------------------
+
+
+def llama_cpp_processors(mask: TokenMask) -> Any:
+    """``logits_processor=`` for ``Llama.generate``: llama-cpp-python runs it as the first
+    sampler of the chain over the whole vocabulary, in token-id order."""
+    import llama_cpp
+
+    def process(_input_ids: Any, logits: Any) -> Any:
+        return mask.apply(logits)
+
+    return llama_cpp.LogitsProcessorList([process])
+
+
+# -- MLX -----------------------------------------------------------------------------------
+
+
+def mlx_processor(mask: TokenMask, n_prompt: int) -> Callable[[Any, Any], Any]:
+    """A ``logits_processors`` entry for mlx-lm's ``generate_step``.
+
+    mlx-lm passes every token so far (the prompt too) with the logits of the next one;
+    the tokens past ``n_prompt`` the matcher has not seen yet are the ones sampled since
+    the last call. (Asking for them waits for the previous step: a grammar makes mlx's
+    look-ahead pipelining wait one step, as every constrained decoder must.)
+    """
+    import mlx.core as mx
+
+    seen = n_prompt
+    neg_inf = mx.array(float("-inf"))
+
+    def process(tokens: Any, logits: Any) -> Any:
+        nonlocal seen
+        n = int(tokens.shape[-1])
+        if n > seen:
+            mask.consume_all([int(t) for t in tokens[seen:].tolist()])
+            seen = n
+        allowed = mask.allowed()
+        width = int(logits.shape[-1])
+        if allowed.shape[0] != width:
+            import numpy as np
+
+            fit = np.zeros(width, dtype=bool)
+            fit[:min(width, allowed.shape[0])] = allowed[:width]
+            allowed = fit
+        return mx.where(mx.array(allowed), logits, neg_inf.astype(logits.dtype))
+
+    return process
+
+
+# -- ONNX Runtime GenAI --------------------------------------------------------------------
+
+
+def onnx_mask_logits(generator: Any, mask: TokenMask) -> None:
+    """Before ``generate_next_token``: the allowed tokens only."""
+    import numpy as np
+
+    logits = generator.get_logits()
+    generator.set_logits(np.ascontiguousarray(mask.apply(logits), dtype=np.float32))
+
+
+# -- OpenVINO GenAI ------------------------------------------------------------------------
+
+OPENVINO_HINT = "pip install -U 'openvino-genai>=2025.3' (StructuredOutputConfig)"
+
+
+#: An array whose length may vary by more than this is one XGrammar JSON Schema leaf.
+OV_MAX_ARRAY_SPAN = 6
+#: $ref chains deeper than this (recursive schemas) end in a JSON Schema leaf.
+OV_MAX_REF_DEPTH = 8
+
+
+def _ref_target(schema: dict[str, Any], root: dict[str, Any]) -> dict[str, Any] | None:
+    ref = schema.get("$ref")
+    if not isinstance(ref, str):
+        return None
+    for key in ("$defs", "definitions"):
+        prefix = f"#/{key}/"
+        if ref.startswith(prefix):
+            target = root.get(key, {}).get(ref[len(prefix):])
+            return target if isinstance(target, dict) else None
+    return root if ref == "#" else None
+
+
+def openvino_layout(so: Any, schema: dict[str, Any], root: dict[str, Any] | None = None,
+                    depth: int = 0) -> Any:
+    """A compact-JSON grammar for XGrammar, from OpenVINO's structural-tag elements.
+
+    XGrammar's JSON Schema grammar (all ``json_schema=`` offers) allows any whitespace
+    between tokens: a small model sampling at temperature 1 then sometimes writes
+    newlines until ``max_tokens`` (measured here: 3 of 60 replies on three schemas). So
+    objects and short arrays are laid out here, ``{"key": value, ...}``, and only their
+    values (strings, numbers, enums, anything else) are XGrammar JSON Schema leaves.
+    Every property is written, optional ones too (a subset of what the schema allows,
+    so still valid); arrays whose length may vary by more than
+    :data:`OV_MAX_ARRAY_SPAN`, free-form objects and ``allOf`` stay XGrammar leaves.
+    """
+    root = root if root is not None else schema
+
+    def leaf(s: dict[str, Any]) -> Any:
+        defs = {k: root[k] for k in ("$defs", "definitions") if k in root}
+        return so.JSONSchema(json.dumps({**defs, **s} if "$ref" in json.dumps(s) else s))
+
+    def const(text: str) -> Any:
+        return so.ConstString(text)
+
+    target = _ref_target(schema, root)
+    if target is not None:
+        if depth >= OV_MAX_REF_DEPTH:
+            return leaf(schema)
+        return openvino_layout(so, target, root, depth + 1)
+    options = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(options, list) and options and \
+            not ({"type", "properties", "items"} & set(schema)):
+        elems = [openvino_layout(so, o, root, depth + 1) for o in options if isinstance(o, dict)]
+        return elems[0] if len(elems) == 1 else so.Union(*elems)
+    kind = schema.get("type")
+    if kind == "number" and set(schema) & {"minimum", "maximum", "exclusiveMinimum",
+                                           "exclusiveMaximum"}:
+        number = _ov_bounded_number(so, schema)
+        if number is not None:
+            return number
+    props = schema.get("properties")
+    simple = not ({"enum", "const", "allOf", "minProperties", "maxProperties",
+                   "patternProperties", "propertyNames", "prefixItems", "contains"}
+                  & set(schema))
+    if kind == "object" and isinstance(props, dict) and props and simple:
+        parts: list[Any] = []
+        for i, (name, sub) in enumerate(props.items()):
+            parts.append(const(("{" if i == 0 else ", ") + json.dumps(name) + ": "))
+            parts.append(openvino_layout(so, sub if isinstance(sub, dict) else {}, root,
+                                         depth))
+        parts.append(const("}"))
+        return so.Concat(*parts)
+    items = schema.get("items")
+    lo, hi = schema.get("minItems", 0), schema.get("maxItems")
+    if kind == "array" and isinstance(items, dict) and simple and isinstance(lo, int) and \
+            isinstance(hi, int) and 0 <= hi - lo <= OV_MAX_ARRAY_SPAN and hi >= lo:
+        item = openvino_layout(so, items, root, depth)
+        alts = [const("[]")] if lo == 0 else []
+        for n in range(max(lo, 1), hi + 1):
+            seq: list[Any] = [const("["), item]
+            for _ in range(n - 1):
+                seq += [const(", "), item]
+            alts.append(so.Concat(*seq, const("]")))
+        return alts[0] if len(alts) == 1 else so.Union(*alts)
+    return leaf(schema)
+
+
+#: Fraction digits of a bounded number on OpenVINO (more are valid, and never needed).
+OV_FRACTION = r"\.[0-9]{1,4}"
+
+
+def _ov_bounded_number(so: Any, schema: dict[str, Any]) -> Any | None:
+    """A number within its bounds, which XGrammar checks on the integer part only (seen
+    with 2026.4: 60.5 for a maximum of 60). Written as an integer in range, or an integer
+    part and up to four fraction digits that cannot leave the range: the bounds rounded
+    inward to whole numbers, then one step further in for the fraction. Bounds beyond
+    what an integer schema takes (inf, non-numbers) keep the XGrammar leaf (None)."""
+    import math
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    for key, inclusive, is_min in (("minimum", True, True), ("maximum", True, False),
+                                   ("exclusiveMinimum", False, True),
+                                   ("exclusiveMaximum", False, False)):
+        v = schema.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            continue
+        if is_min:
+            bound = math.ceil(v) if inclusive else math.floor(v) + 1
+            lo = max(lo, bound)
+        else:
+            bound = math.floor(v) if inclusive else math.ceil(v) - 1
+            hi = min(hi, bound)
+    if lo > hi:
+        return None
+    whole: dict[str, Any] = {"type": "integer"}
+    if lo > -math.inf:
+        whole["minimum"] = int(lo)
+    if hi < math.inf:
+        whole["maximum"] = int(hi)
+    alts = [so.JSONSchema(json.dumps(whole))]
+    # non-negative integer part k with a fraction: k + f <= hi needs k <= hi - 1
+    k_lo = max(0, lo) if lo > -math.inf else 0
+    k_hi = hi - 1
+    if k_hi >= k_lo:
+        part: dict[str, Any] = {"type": "integer", "minimum": int(k_lo)}
+        if k_hi < math.inf:
+            part["maximum"] = int(k_hi)
+        alts.append(so.Concat(so.JSONSchema(json.dumps(part)), so.Regex(OV_FRACTION)))
+    # negative: -(k + f) >= lo needs k <= -lo - 1; "-0.x" needs lo <= -1
+    if lo <= -1:
+        alts.append(so.Concat(so.ConstString("-0"), so.Regex(OV_FRACTION)))
+        if lo <= -2 or lo == -math.inf:
+            neg: dict[str, Any] = {"type": "integer", "minimum": 1}
+            if lo > -math.inf:
+                neg["maximum"] = int(-lo - 1)
+            alts.append(so.Concat(so.ConstString("-"), so.JSONSchema(json.dumps(neg)),
+                                  so.Regex(OV_FRACTION)))
+    return alts[0] if len(alts) == 1 else so.Union(*alts)
+
+
+def openvino_structured_config(og: Any, constraint: Constraint) -> Any | None:
+    """The ``StructuredOutputConfig`` for a constraint (None: an auto tool call this
+    version cannot constrain, parsed as written)."""
+    so = getattr(og, "StructuredOutputConfig", None)
+    if so is None:
+        version = getattr(og, "__version__", None) or "this version"
+        raise ConstrainedDecodingUnavailableError(
+            "OpenVINO GenAI", f"{version} has no StructuredOutputConfig", hint=OPENVINO_HINT)
+    schema = constraint.schema_dict
+    layout = openvino_layout(so, schema) if hasattr(so, "Concat") else None
+    tag = constraint.tag
+    if tag is None:
+        if layout is None or isinstance(layout, so.JSONSchema):
+            return so(json_schema=constraint.schema)
+        return so(structural_tags_config=layout)
+    triggered = getattr(so, "TriggeredTags", None)
+    if triggered is None:
+        return None  # "auto" only may constrain: this version parses the calls as written
+    item = so.Tag(begin=tag.trigger + tag.begin,
+                  content=layout if layout is not None else so.JSONSchema(constraint.schema),
+                  end=tag.end)
+    return so(structural_tags_config=triggered(triggers=[tag.trigger], tags=[item],
+                                               at_least_one=False, stop_after_first=False))
+
+
+def is_openvino_grammar_error(error: BaseException) -> bool:
+    """An error XGrammar raised compiling a schema (its C++ path is in the message)."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("xgrammar" in text or "json_schema" in text
+                                                or "grammar" in text)
+
+
+def openvino_schema_error(constraint: Constraint, error: BaseException) -> UnsupportedSchemaError:
+    """XGrammar's refusal as localrun's typed error: the reason, without the C++ paths
+    ("[21:04:45] /home/.../json_schema_converter.cc:3231: minProperties is ...")."""
+    import re
+
+    text = " ".join(str(error).split())
+    parts = re.split(r"\.(?:cc|cpp|h):\d+:\s*", text)
+    return UnsupportedSchemaError(constraint.label, parts[-1] or text, backend="openvino")
+
+
+# -- ExLlamaV2 / ExLlamaV3 -----------------------------------------------------------------
+
+
+def exllamav2_filter(model: Any, tokenizer: Any, mask: TokenMask) -> Any:
+    """An ``ExLlamaV2Filter`` over a llguidance mask, for ``ExLlamaV2DynamicJob(filters=)``.
+
+    It masks the logits itself (``can_mask_logits``; the generator then skips its
+    pass/end token sets) and computes the next mask on the generator's filter thread
+    (``use_background_worker``) while the GPU runs the forward pass. Completion needs no
+    end-token set: once the grammar is complete only the stop tokens remain allowed, and
+    sampling one ends the job as usual.
+    """
+    from exllamav2.generator.filters import ExLlamaV2Filter
+
+    class LLGuidanceV2Filter(ExLlamaV2Filter):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(model, tokenizer)
+            self.mask = mask
+            self._allowed: Any = None
+
+        def clone(self, c: Any = None) -> Any:
+            raise NotImplementedError("llguidance filters are per job")
+
+        def begin(self, prefix_str: str = "") -> None:
+            self.mask.matcher.reset()
+            self.mask.consumed = 0
+            self._allowed = None
+
+        def feed(self, token: Any) -> None:
+            value = token.item() if hasattr(token, "item") else token
+            self.mask.consume(int(value))
+
+        def next(self) -> Any:
+            # The sampler asks for token sets only where it cannot mask (CFG, several
+            # positions at once): the allowed ids then, and no end set (the stop
+            # tokens the grammar allows at its end end the job as usual).
+            import numpy as np
+
+            return set(np.flatnonzero(self.mask.allowed()).tolist()), set()
+
+        def use_background_worker(self) -> bool:
+            return True
+
+        def can_mask_logits(self) -> bool:
+            return True
+
+        def prepare_logit_mask(self) -> bool:
+            self._allowed = self.mask.allowed()
+            return True
+
+        def mask_logits(self, logits: Any) -> Any:
+            torch: Any = importlib.import_module("torch")
+
+            allowed = self._allowed if self._allowed is not None else self.mask.allowed()
+            self._allowed = None
+            width = int(logits.shape[-1])
+            if allowed.shape[0] != width:
+                import numpy as np
+
+                fit = np.zeros(width, dtype=bool)
+                fit[:min(width, allowed.shape[0])] = allowed[:width]
+                allowed = fit
+            logits[torch.from_numpy(~allowed)] = float("-inf")
+            return logits
+
+    return LLGuidanceV2Filter()
+
+
+def exllamav3_filter(tokenizer: Any, grammar: str) -> Any:
+    """exllamav3's own ``LLGuidanceFilter`` for a compiled llguidance grammar.
+
+    ``eos_after_completed``: without it the filter switches itself off once the grammar
+    is complete and the reply would go on unconstrained.
+    """
+    try:
+        from exllamav3.generator.filter import LLGuidanceFilter
+    except ImportError as e:
+        raise ConstrainedDecodingUnavailableError(
+            "ExLlamaV3", f"this exllamav3 has no LLGuidanceFilter ({e})",
+            hint="pip install -U 'exllamav3>=1.6'") from e
+    return LLGuidanceFilter(tokenizer, llg_grammar=grammar, eos_after_completed=True)
