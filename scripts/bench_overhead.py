@@ -11,6 +11,11 @@ Target: localrun adds under 3% to decode time and under 10 ms to TTFT.
     .venv/bin/python scripts/bench_overhead.py                 # every engine available
     .venv/bin/python scripts/bench_overhead.py --backend llama.cpp --tokens 128 --runs 9
     .venv/bin/python scripts/bench_overhead.py --profile       # cProfile of the localrun path
+    .venv/bin/python scripts/bench_overhead.py --temperature 1 --top-p 0.9   # sampling
+
+With ``--temperature`` (> 0) both paths sample, with the same options and seed: the
+engine with its own samplers, localrun with what it does about them (ONNX: its own
+top_p and min_p masks; llama.cpp and MLX: the temperature before the filters).
 
 Models: llama.cpp uses the embedded SmolLM2-135M GGUF; the others the fixtures listed in
 ~/.cache/localrun/test-models/manifest.json (scripts/make_test_models.py makes them).
@@ -39,6 +44,8 @@ from localrun.bench import GREEDY, exact_prompt
 
 MANIFEST = Path(os.environ.get("LOCALRUN_TEST_MODELS") or "~/.cache/localrun/test-models"
                ).expanduser() / "manifest.json"
+#: The seed of every sampled run, on both paths.
+SEED = 1234
 FIXTURE_KEYS = {"llama.cpp": "gguf-q4_1", "mlx": "mlx-4bit", "openvino": "openvino-int4",
                 "onnx": "onnx-int4"}
 
@@ -69,16 +76,20 @@ def timed(stream: Iterator[object]) -> Timing:
 
 # -- each engine's own API -----------------------------------------------------------------
 
-def direct_llama_cpp(path: str, n_ctx: int, threads: int) -> Callable[[str, int], Timing]:
+def direct_llama_cpp(path: str, n_ctx: int, threads: int, sampling: dict[str, Any]
+                     ) -> Callable[[str, int], Timing]:
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads,
                           n_gpu_layers=-1, verbose=False)
     eos = llm.token_eos()
+    opts = {**GREEDY, **sampling}
 
     def pieces(text: str, n_tokens: int) -> Iterator[bytes]:
         tokens = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
-        gen = llm.generate(tokens, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
+        llm.set_seed(SEED)
+        gen = llm.generate(tokens, top_k=int(opts["top_k"]), top_p=opts["top_p"],
+                           min_p=opts["min_p"], typical_p=1.0, temp=opts["temperature"],
                            repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
                            mirostat_mode=0)
         try:
@@ -94,7 +105,8 @@ def direct_llama_cpp(path: str, n_ctx: int, threads: int) -> Callable[[str, int]
     return lambda text, n: timed(pieces(text, n))
 
 
-def direct_openvino(path: str, n_ctx: int, threads: int) -> Callable[[str, int], Timing]:
+def direct_openvino(path: str, n_ctx: int, threads: int, sampling: dict[str, Any]
+                    ) -> Callable[[str, int], Timing]:
     import openvino_genai as ov
 
     # The same properties localrun's backend sets on CPU (an f32 KV cache), so that
@@ -104,7 +116,13 @@ def direct_openvino(path: str, n_ctx: int, threads: int) -> Callable[[str, int],
     def run(text: str, n_tokens: int) -> Timing:
         config = ov.GenerationConfig()
         config.max_new_tokens = n_tokens
-        config.do_sample = False
+        config.do_sample = bool(sampling)
+        if sampling:
+            config.temperature = sampling["temperature"]
+            config.top_p = sampling["top_p"]
+            config.top_k = int(sampling["top_k"]) or 2**64 - 1  # 0: no limit
+            config.min_p = sampling["min_p"]
+            config.rng_seed = SEED
         config.apply_chat_template = False
         stamps: list[float] = []
 
@@ -122,7 +140,8 @@ def direct_openvino(path: str, n_ctx: int, threads: int) -> Callable[[str, int],
     return run
 
 
-def direct_onnx(path: str, n_ctx: int, threads: int) -> Callable[[str, int], Timing]:
+def direct_onnx(path: str, n_ctx: int, threads: int, sampling: dict[str, Any]
+                ) -> Callable[[str, int], Timing]:
     import onnxruntime_genai as og
 
     model = og.Model(path)
@@ -131,7 +150,12 @@ def direct_onnx(path: str, n_ctx: int, threads: int) -> Callable[[str, int], Tim
     def pieces(text: str, n_tokens: int) -> Iterator[str]:
         ids = tokenizer.encode(text)
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(ids) + n_tokens, do_sample=False)
+        # the engine's own top_p; it has no min_p
+        params.set_search_options(max_length=len(ids) + n_tokens, do_sample=bool(sampling),
+                                  **({"temperature": sampling["temperature"],
+                                      "top_p": sampling["top_p"],
+                                      "top_k": int(sampling["top_k"]), "random_seed": SEED}
+                                     if sampling else {}))
         gen = og.Generator(model, params)
         stream = tokenizer.create_stream()
         gen.append_tokens(ids)
@@ -144,14 +168,19 @@ def direct_onnx(path: str, n_ctx: int, threads: int) -> Callable[[str, int], Tim
     return lambda text, n: timed(pieces(text, n))
 
 
-def direct_mlx(path: str, n_ctx: int, threads: int) -> Callable[[str, int], Timing]:
+def direct_mlx(path: str, n_ctx: int, threads: int, sampling: dict[str, Any]
+               ) -> Callable[[str, int], Timing]:
+    import mlx.core as mx
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
     model, tokenizer = mlx_lm.load(path)
-    sampler = make_sampler(temp=0.0)
+    opts = {**GREEDY, **sampling}
+    sampler = make_sampler(temp=opts["temperature"], top_p=opts["top_p"],
+                           min_p=opts["min_p"], top_k=int(opts["top_k"]))
 
     def pieces(text: str, n_tokens: int) -> Iterator[str]:
+        mx.random.seed(SEED)
         for resp in mlx_lm.stream_generate(model, tokenizer, text, max_tokens=n_tokens,
                                            sampler=sampler):
             yield resp.text
@@ -165,11 +194,13 @@ DIRECT = {"llama.cpp": direct_llama_cpp, "openvino": direct_openvino, "onnx": di
 
 # -- localrun --------------------------------------------------------------------------------
 
-def via_localrun(model: Any) -> Callable[[str, int], Timing]:
+def via_localrun(model: Any, sampling: dict[str, Any]) -> Callable[[str, int], Timing]:
+    opts = {**GREEDY, **sampling, "seed": SEED}
+
     def run(text: str, n_tokens: int) -> Timing:
         t0 = time.perf_counter()
         first = last = 0.0
-        with model.stream(text, raw=True, max_tokens=n_tokens, **GREEDY) as stream:
+        with model.stream(text, raw=True, max_tokens=n_tokens, **opts) as stream:
             for chunk in stream:
                 if chunk.text:
                     last = time.perf_counter()
@@ -221,8 +252,11 @@ def measure(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     # as localrun does (it takes no n_threads_batch engine option).
     opts: dict[str, Any] = {"threads": threads} if backend == "llama.cpp" else {}
     model = localrun.load(path, backend=backend, context=n_ctx, **opts)
-    direct = DIRECT[backend](path, n_ctx, threads)
-    ours = via_localrun(model)
+    sampling: dict[str, Any] = {} if not args.temperature else {
+        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+        "min_p": args.min_p}
+    direct = DIRECT[backend](path, n_ctx, threads, sampling)
+    ours = via_localrun(model, sampling)
     prompts = [exact_prompt(model.count_tokens, args.prompt_tokens, seed=1000 + i)
                for i in range(args.runs + args.warmup)]
     rows: dict[str, list[Timing]] = {"engine": [], "localrun": []}
@@ -257,7 +291,7 @@ def measure(backend: str, args: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "backend": backend, "engine_version": model.info.engine_version, "path": path,
-        "threads": threads if backend == "llama.cpp" else None,
+        "threads": threads if backend == "llama.cpp" else None, "sampling": sampling or "greedy",
         "prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "runs": args.runs,
         "tokens_engine": [t.tokens for t in rows["engine"]],
         "tokens_localrun": [t.tokens for t in rows["localrun"]],
@@ -282,6 +316,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (both paths)")
     ap.add_argument("--profile", action="store_true", help="cProfile the localrun path")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature on both paths (default 0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
+    ap.add_argument("--top-k", type=int, default=0, help="with --temperature")
+    ap.add_argument("--min-p", type=float, default=0.0,
+                    help="with --temperature (ONNX Runtime GenAI's own path has none)")
     ap.add_argument("--profile-out", default=None)
     ap.add_argument("--json", default=None, help="also write the results as JSON")
     args = ap.parse_args()
@@ -289,7 +329,10 @@ def main() -> int:
         b.strip() for b in args.backend.split(",")]
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "
           f"{args.prompt_tokens} prompt tokens, {args.tokens} generated, {args.runs} runs "
-          "(medians; 'min' columns compare the best runs)")
+          "(medians; 'min' columns compare the best runs); "
+          + (f"sampling: temperature {args.temperature}, top_p {args.top_p}, top_k "
+             f"{args.top_k}, min_p {args.min_p}, seed {SEED}" if args.temperature
+             else "greedy"))
     results = []
     for backend in wanted:
         if backend not in DIRECT:

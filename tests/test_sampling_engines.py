@@ -82,14 +82,6 @@ def gen(model: Any, prompt: str = PROMPT, *, raw: bool = False, **sampling: Any)
     return _texts[key]
 
 
-def known_gap(request: pytest.FixtureRequest, backend: str, engines: tuple[str, ...],
-              why: str) -> None:
-    """Mark a promise this backend does not keep yet: the test must fail there (strict),
-    so that the mark goes once the backend is fixed."""
-    if backend in engines:
-        request.applymarker(pytest.mark.xfail(reason=why, strict=True))
-
-
 # -- filters at their limit are greedy decoding ----------------------------------------
 
 
@@ -109,31 +101,42 @@ def test_min_p_near_1_is_greedy(case: Any) -> None:
     assert gen(model, temperature=1.0, min_p=0.99, seed=SEED) == gen(model, temperature=0)
 
 
-def test_top_p_near_0_is_greedy(case: Any, request: pytest.FixtureRequest) -> None:
-    known_gap(request, case[0], ("onnx",),
-              "ONNX Runtime GenAI's own nucleus (FindNucleus) bounds the tail loosely and "
-              "keeps far more tokens than top_p asks: localrun must mask the exact nucleus "
-              "(issue 18, item 2)")
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_top_p_near_0_is_greedy(case: Any, top_k: int) -> None:
+    """ONNX Runtime GenAI's top-p-only sampler (top_k 0) bounds the tail loosely and kept
+    far more tokens than asked: localrun masks the exact nucleus there. With top_k > 1
+    its top-k-then-top-p sampler does it, exactly."""
     model = case[2]
-    assert gen(model, temperature=1.0, top_p=0.01, seed=SEED) == gen(model, temperature=0)
+    assert gen(model, temperature=1.0, top_k=top_k, top_p=0.01, seed=SEED) == \
+        gen(model, temperature=0)
 
 
-def test_temperature_comes_before_the_filters(case: Any, request: pytest.FixtureRequest
-                                              ) -> None:
-    """top_p (like top_k and min_p) acts on the distribution at the call's temperature,
-    as in transformers (whose generation_config.json values models ship), OpenVINO GenAI
-    and ONNX Runtime GenAI. At temperature 50 the distribution is nearly flat, so
-    top_p=0.05 keeps thousands of tokens and the reply is far from greedy. An engine
-    that filters at temperature 1 and applies the temperature last keeps only the most
-    likely token there (p_max >= 0.05), and its reply is exactly the greedy one."""
-    known_gap(request, case[0], ("llama.cpp", "mlx"),
-              "llama-cpp-python's sampler chain (top_k, top_p, min_p, then temp) and "
-              "mlx_lm's make_sampler filter at temperature 1 and apply it last "
-              "(issue 18, item 2)")
+@pytest.mark.parametrize("option", [{"top_p": 0.05}, {"top_k": 200, "top_p": 0.05},
+                                    {"min_p": 0.9}], ids=["top_p", "top_k+top_p", "min_p"])
+def test_temperature_comes_before_the_filters(case: Any, option: dict[str, float]) -> None:
+    """top_p and min_p (like top_k) act on the distribution at the call's temperature,
+    as in transformers (whose generation_config.json values models ship). At temperature
+    50 the distribution is nearly flat, so top_p=0.05 keeps thousands of tokens (about
+    ten of the top 200), and min_p=0.9 every token within 50 * ln(1/0.9) = 5.3 logits of
+    the best: the reply is far from greedy. An engine that filters at temperature 1 and
+    applies the temperature last (llama-cpp-python's chain and mlx-lm's make_sampler did,
+    and localrun's min_p mask on ONNX did) keeps only the most likely token there
+    (p_max >= 0.05; a runner-up within 0.1 logits of it is rare), and its reply is the
+    greedy one."""
     model = case[2]
     greedy = gen(model, temperature=0, max_tokens=4)
     for seed in (1, 2):
-        assert gen(model, temperature=50.0, top_p=0.05, seed=seed, max_tokens=4) != greedy
+        assert gen(model, temperature=50.0, seed=seed, max_tokens=4, **option) != greedy
+
+
+def test_top_k_comes_before_top_p(case: Any) -> None:
+    """top_p acts on the top_k tokens renormalized, as in transformers. With top_k=2
+    the most likely of the two always holds at least half of their mass, so top_p=0.5
+    keeps it alone: greedy. mlx-lm's make_sampler applied top_p to the whole
+    distribution before top_k, and kept two tokens wherever p_max < 0.5."""
+    model = case[2]
+    assert gen(model, temperature=1.0, top_k=2, top_p=0.5, seed=SEED) == \
+        gen(model, temperature=0)
 
 
 # -- repetition penalty ----------------------------------------------------------------
@@ -150,14 +153,147 @@ def test_repetition_penalty_breaks_a_loop(case: Any) -> None:
     assert len(re.findall(r"\byes\b", penalized)) <= 2, penalized
 
 
-def test_raw_completion_keeps_the_first_space(case: Any, request: pytest.FixtureRequest
-                                              ) -> None:
-    """complete() returns the text that follows the prompt: " yes" after "yes,"."""
-    known_gap(request, case[0], ("mlx",),
-              "mlx_lm's BPEStreamingDetokenizer drops the first space of every reply "
-              "(_maybe_trim_space) (issue 18, item 2)")
+def test_raw_completion_keeps_the_first_space(case: Any) -> None:
+    """complete() returns the text that follows the prompt: " yes" after "yes,"
+    (mlx-lm's streaming detokenizer dropped the first space of every reply)."""
     greedy = gen(case[2], LOOP, raw=True, temperature=0)
     assert greedy.startswith(" yes,"), repr(greedy)
+
+
+class _Vocab:
+    """What mlx-lm's streaming detokenizers read from a tokenizer: its size and pieces."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.pieces[i] for i in ids]
+
+
+@pytest.mark.parametrize(("kind", "pieces"), [
+    ("BPEStreamingDetokenizer", ["\u0120the", "\u0120cat", "s", "\u0120"]),  # byte-level BPE
+    ("SPMStreamingDetokenizer", ["\u2581the", "\u2581cat", "s", "\u2581"]),  # SentencePiece
+])
+def test_mlx_detokenizers_keep_the_first_space(kind: str, pieces: list[str]) -> None:
+    """Both of mlx-lm's fast detokenizers (the fixture above runs the BPE one) give the
+    text as the tokens spell it, its first space included."""
+    _skip_unless_installed("mlx")
+    from mlx_lm import tokenizer_utils
+
+    from localrun.backends.mlx import keep_first_space
+
+    detok = keep_first_space(getattr(tokenizer_utils, kind)(_Vocab(pieces)))
+    detok.reset()
+    text = ""
+    for token in (0, 1, 2, 3, 0):
+        detok.add_token(token)
+        text += detok.last_segment
+    detok.finalize()
+    assert text + detok.last_segment == " the cats  the"
+
+
+# -- the filters localrun computes for ONNX Runtime GenAI (no engine) --------------------
+
+
+def _penalized(logits: Any, seq: list[int], penalty: float) -> Any:
+    """transformers' RepetitionPenaltyLogitsProcessor over the whole sequence (float64)."""
+    import numpy as np
+
+    s = logits.astype(np.float64).copy()
+    for t in set(seq):
+        s[t] = s[t] * penalty if s[t] < 0 else s[t] / penalty
+    return s
+
+
+def _transformers_keep(logits: Any, seq: list[int], temperature: float, top_k: int,
+                       top_p: float, min_p: float, penalty: float) -> Any:
+    """The tokens transformers' sampling keeps, step by step as its processors and
+    warpers are written (float64, whole sorts): RepetitionPenalty over the sequence,
+    Temperature, TopK, TopP (drops the ascending cumulative mass <= 1 - top_p, keeps at
+    least one), MinP (p < min_p * p_max, after the others)."""
+    import numpy as np
+
+    s = _penalized(logits, seq, penalty) / temperature
+    if top_k > 0:
+        s[s < np.sort(s)[-top_k]] = -np.inf
+    if top_p < 1.0:
+        order = np.argsort(s)
+        p = np.exp(s[order] - s.max())
+        cum = np.cumsum(p / p.sum())
+        drop = cum <= 1 - top_p
+        drop[-1] = False
+        s[order[drop]] = -np.inf
+    if min_p > 0:
+        p = np.exp(s - s.max())
+        s[p < min_p] = -np.inf  # p / p_max, and p_max is exp(0) = 1
+    return np.isfinite(s)
+
+
+class _OnnxGenerator:
+    """The two calls of onnxruntime_genai.Generator that localrun's mask makes, with the
+    engine's shapes: get_logits() is (batch, 1, vocab) float32, get_sequence(0) int32."""
+
+    def __init__(self, logits: Any, seq: list[int]) -> None:
+        import numpy as np
+
+        self.logits = logits.reshape(1, 1, -1)
+        self.seq = np.array(seq, dtype=np.int32)
+        self.set: Any = None
+
+    def get_logits(self) -> Any:
+        return self.logits
+
+    def get_sequence(self, index: int) -> Any:
+        return self.seq
+
+    def set_logits(self, logits: Any) -> None:
+        self.set = logits
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p", "penalty"), [
+    (1.0, 0, 0.9, 0.0, 1.0), (0.7, 0, 0.95, 0.0, 1.0), (50.0, 0, 0.05, 0.0, 1.0),
+    (0.2, 0, 0.5, 0.0, 1.0), (1.0, 40, 0.95, 0.05, 1.1), (1.3, 5, 0.5, 0.0, 1.3),
+    (2.0, 0, 1.0, 0.3, 1.0), (0.5, 0, 0.8, 0.1, 1.2), (3.0, 0, 0.999, 0.0, 1.0),
+])
+def test_onnx_filters_keep_what_transformers_keeps(temperature: float, top_k: int,
+                                                   top_p: float, min_p: float,
+                                                   penalty: float) -> None:
+    """localrun's top_p/min_p mask for ONNX Runtime GenAI (a partial sort, for speed)
+    keeps exactly the tokens transformers' full-sort warpers keep. (With top_k > 1 and no
+    min_p the engine's own sampler does top_p, and localrun's nucleus is checked here on
+    its own.)"""
+    np = pytest.importorskip("numpy", reason="the ONNX backend's mask runs on numpy")
+    from localrun.backends.onnx_genai import _mask_filters, _nucleus, own_nucleus
+    from localrun.sampling import ResolvedSampling
+
+    rng = np.random.default_rng(18)
+    sampling = ResolvedSampling(max_tokens=8, temperature=temperature, top_p=top_p,
+                                top_k=top_k, min_p=min_p, repetition_penalty=penalty,
+                                seed=None, stop=(), constraint=None)
+    for trial in range(20):
+        logits = (rng.standard_normal(5000) * rng.choice([1.0, 3.0, 8.0])).astype(np.float32)
+        if trial % 4 == 0:  # a structured-output mask already applied
+            logits[rng.random(5000) < 0.5] = -np.inf
+        seq = [int(t) for t in rng.integers(0, 5000, 60)]
+        seq.append(int(np.argmax(logits)))  # the penalty hits the best token too
+        engine = _OnnxGenerator(logits, seq)
+        _mask_filters(engine, sampling)
+        expected = _transformers_keep(logits, seq, temperature, top_k, top_p, min_p, penalty)
+        if not own_nucleus(sampling) and min_p == 0:  # the engine's top-k-then-top-p
+            assert engine.set is None
+            kept = np.zeros(5000, dtype=bool)
+            kept[_nucleus(_penalized(logits, seq, penalty).astype(np.float32), sampling)] = True
+            assert (kept == expected).all(), (trial, int(kept.sum()), int(expected.sum()))
+            continue
+        assert engine.set is not None and engine.set.shape == (1, 1, 5000)
+        assert engine.set.dtype == np.float32
+        kept = np.isfinite(engine.set.reshape(-1))
+        assert (kept == expected).all(), (trial, int(kept.sum()), int(expected.sum()))
+        # the kept tokens go to the engine unchanged: it applies its penalty and top_k
+        assert (engine.set.reshape(-1)[kept] == logits[kept]).all()
 
 
 # -- seeds -----------------------------------------------------------------------------
