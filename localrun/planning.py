@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from localrun.hardware import GiB, HardwareProfile, detect_hardware
+from localrun import hardware as _hardware
+from localrun.hardware import GiB, HardwareProfile
 from localrun.memory import gpu_share
 from localrun.selection import Plan, PlanRequest, Preference, select
 
@@ -74,7 +75,9 @@ def plan_fetch(
     """Like :func:`plan`, also returning the Hub's FetchPlan (None for local models)."""
     from localrun.backends import installed_backends
 
-    profile = hardware if hardware is not None else detect_hardware()
+    # Looked up on the module at call time, not bound at import: a binding made while a
+    # test had replaced detect_hardware (tests/test_devices.py) outlived that test.
+    profile = hardware if hardware is not None else _hardware.detect_hardware()
     engines = dict(installed) if installed is not None else installed_backends()
     request = request_for(model, backend=backend, prefer=prefer,
                           allow_unoptimized=allow_unoptimized, quant=quant)
