@@ -1,198 +1,41 @@
 """The public API: ``load()`` and :class:`Model`.
 
-Everything an engine lacks is built here once: stop strings, usage on streams,
-timings, a queue so that several threads can share a Model, cancellation between
-tokens, and the model's own sampling defaults.
+A Model validates each call's arguments and hands the sequence to its driver
+(:mod:`localrun.driver`), where everything an engine lacks is built once: the
+model's own sampling defaults, the token limit and the seed, stop strings, usage on
+streams, timings, cancellation between tokens, and the queue (or the engine's own
+batching) that lets several threads share a Model.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from localrun.backends.base import GenerationStats, Prompt, Session
-from localrun.errors import (
-    ContextOverflowError,
-    GenerationError,
-    IncompleteOutputError,
-    LocalrunError,
-    ModelBusyError,
-    ModelClosedError,
-    StructuredOutputError,
-)
-from localrun.sampling import ResolvedSampling, make_sampling, resolve
-from localrun.structured.calls import ToolCall
-from localrun.structured.formats import has_tool_turns
-from localrun.structured.output import (
-    ChatPlan,
-    OutputProcessor,
-    StructuredRequest,
-    plan_chat,
-    prepare,
-    raw_plan,
-)
+from localrun.backends.base import Session
+from localrun.driver import Driver, Request, Stream
+from localrun.errors import LocalrunError, ModelClosedError
+from localrun.sampling import ResolvedSampling, make_sampling
+from localrun.structured.output import StructuredRequest, prepare, raw_plan
+from localrun.templates import normalize_messages
+from localrun.types import CancelToken, Completion, Message, ModelInfo, Sampling
 
 if TYPE_CHECKING:
+    from localrun.batch import BatchInput
     from localrun.hub import FetchPlan, ProgressCallback
     from localrun.selection import Plan
 
 __all__ = ["Model", "Stream", "load", "make_sampling"]
-from localrun.stopping import StopMatcher
-from localrun.templates import normalize_messages
-from localrun.types import (
-    CancelToken,
-    Chunk,
-    Completion,
-    Message,
-    ModelInfo,
-    Sampling,
-    Timings,
-    Usage,
-)
-
-if TYPE_CHECKING:
-    from localrun.batch import BatchInput
-
-
-class _Outcome:
-    """What the structured-output layer adds to a reply; filled before its last chunk."""
-
-    __slots__ = ("error", "parsed", "tool_calls")
-
-    def __init__(self) -> None:
-        self.tool_calls: tuple[ToolCall, ...] = ()
-        self.parsed: Any = None
-        self.error: StructuredOutputError | None = None
-
-
-class Stream:
-    """An iterator of :class:`Chunk` for one reply; the last chunk carries usage.
-
-    ``cancel()`` stops generation from any thread; ``completion`` holds the whole
-    reply once the stream has ended. Closing it early (or leaving a ``with`` block)
-    frees the Model for the next call.
-    """
-
-    def __init__(self, chunks: Iterator[Chunk], cancel: CancelToken,
-                 outcome: _Outcome | None = None) -> None:
-        self._chunks = chunks
-        self._cancel = cancel
-        self._outcome = outcome
-        self._parts: list[str] = []
-        self.completion: Completion | None = None
-
-    def __iter__(self) -> Stream:
-        return self
-
-    def __next__(self) -> Chunk:
-        chunk = next(self._chunks)
-        self._parts.append(chunk.text)
-        if chunk.finish_reason is not None:
-            assert chunk.usage is not None and chunk.timings is not None
-            self.completion = _completion(
-                "".join(self._parts), chunk.finish_reason, chunk.usage, chunk.timings,
-                self._outcome)
-        return chunk
-
-    def cancel(self) -> None:
-        self._cancel.cancel()
-
-    def close(self) -> None:
-        close = getattr(self._chunks, "close", None)
-        if close is not None:
-            close()
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def join(self) -> Completion:
-        """Consume the rest of the stream and return the whole Completion.
-
-        Raises :class:`~localrun.errors.IncompleteOutputError` when a reply asked for
-        with ``schema=``/``response_format=`` (or a forced tool call) ended before its
-        JSON was complete; the error's ``completion`` holds what was generated.
-        """
-        for _ in self:
-            pass
-        assert self.completion is not None
-        if self._outcome is not None and self._outcome.error is not None:
-            raise self._outcome.error
-        return self.completion
-
-
-def _completion(text: str, finish: Any, usage: Usage, timings: Timings,
-                outcome: _Outcome | None) -> Completion:
-    if outcome is None:
-        return Completion(text, finish, usage, timings)
-    if outcome.tool_calls:
-        text = text.strip()  # what surrounded the calls (newlines between blocks)
-    completion = Completion(text, finish, usage, timings, outcome.tool_calls, outcome.parsed)
-    if isinstance(outcome.error, IncompleteOutputError):
-        outcome.error.completion = completion
-    return completion
-
-
-def encode_prompt(session: Session, messages: list[Message] | None, text: str | None,
-                  plan: ChatPlan | None) -> Prompt:
-    """The prompt tokens of one request: the engine's own chat rendering, or localrun's
-    (a conversation with tools), plus the assistant-turn prefill of a forced call."""
-    if messages is None:
-        return session.encode_text(text or "")
-    if plan is None:
-        return session.encode_chat(messages)
-    if plan.render_here:
-        from localrun.templates import render_chat
-
-        rendered = render_chat(session.chat_template, plan.messages,
-                               bos_token=session.bos_token, eos_token=session.eos_token,
-                               tools=plan.template_tools)
-        return session.encode_rendered(rendered + plan.prefill)
-    prompt = session.encode_chat(plan.messages)  # type: ignore[arg-type]
-    if plan.prefill:
-        if prompt.text is None:
-            raise StructuredOutputError(f"{session.info.backend} gave no rendered prompt to "
-                                        "start a forced tool call from",
-                                        hint="use tool_choice='auto'")
-        return session.encode_rendered(prompt.text + plan.prefill)
-    return prompt
-
-
-def structured_plan(session: Session, messages: list[Message] | None,
-                    structured: StructuredRequest | None) -> ChatPlan | None:
-    """How a request with structured output or tool turns runs on this session."""
-    if messages is None:
-        return raw_plan(structured) if structured is not None else None
-    if structured is None and not has_tool_turns(messages):
-        return None
-    return plan_chat(structured, messages, session.chat_template)
-
-
-def constrained(session: Session, sampling: ResolvedSampling, plan: ChatPlan | None
-                ) -> ResolvedSampling:
-    """``sampling`` with the plan's constraint, once the engine said it can enforce it."""
-    if plan is None or plan.constraint is None:
-        return sampling
-    session.check_constraint(plan.constraint)
-    return replace(sampling, constraint=plan.constraint)
 
 
 class Model:
-    """A loaded model. Safe to share between threads: calls queue up, one runs at a time."""
+    """A loaded model. Safe to share between threads: calls queue up and run one at a
+    time, or together where the engine batches (OpenVINO GenAI's continuous batching)."""
 
     def __init__(self, session: Session, sampling_defaults: Mapping[str, Any] | None = None
                  ) -> None:
-        self._session: Session | None = session
         self.info: ModelInfo = session.info
-        # What the model's own files say wins over what localrun knows about the model.
-        self._defaults = {**(sampling_defaults or {}), **session.sampling_defaults}
-        self._lock = threading.Lock()
-        self._owner: int | None = None
+        self._driver = Driver(session, sampling_defaults)
 
     # -- public API -------------------------------------------------------------------
 
@@ -260,9 +103,8 @@ class Model:
         if raw:
             raw_plan(structured)  # tools need a chat turn: refuse now, not mid-stream
         msgs = None if raw else normalize_messages(messages)
-        token = cancel or CancelToken()
         text = messages if isinstance(messages, str) and raw else None
-        return self._stream(msgs, text, request, token, structured)
+        return self._stream(msgs, text, request, cancel or CancelToken(), structured)
 
     def batch(
         self,
@@ -321,7 +163,7 @@ class Model:
         from localrun.batch import run_batch
 
         structured = prepare(response_format, schema, tools, tool_choice)
-        return run_batch(self, items, max_concurrency=max_concurrency, cancel=cancel,
+        return run_batch(self._driver, items, max_concurrency=max_concurrency, cancel=cancel,
                          sampling=sampling, structured=structured)
 
     @property
@@ -329,19 +171,17 @@ class Model:
         """The sampling a call that sets no option runs with: the model's own defaults
         (GGUF ``general.sampling.*``, generation_config.json), else its model card's
         (catalog.json), else localrun's neutral ones. A call's own options override each."""
-        return self._resolve(Sampling())
+        return self._driver.resolve(Sampling())
 
     def count_tokens(self, text: str) -> int:
         """Tokens of raw text for this model's tokenizer."""
-        with self._hold():
-            return len(self._live().encode_text(text).tokens)
+        return self._driver.count_tokens(text)
 
     def close(self) -> None:
-        """Free the engine's memory. Waits for a running call to finish."""
-        with self._lock:
-            if self._session is not None:
-                self._session.close()
-                self._session = None
+        """Free the engine's memory. Waits for running calls to finish."""
+        session = self._driver.close()
+        if session is not None:
+            session.close()
 
     def __enter__(self) -> Model:
         return self
@@ -355,154 +195,20 @@ class Model:
 
     # -- internals --------------------------------------------------------------------
 
+    @property
+    def _session(self) -> Session | None:
+        """The engine's session (None once closed); tests and scripts look inside it."""
+        return self._driver.session
+
     def _live(self) -> Session:
-        if self._session is None:
+        session = self._driver.session
+        if session is None:
             raise ModelClosedError()
-        return self._session
-
-    def _resolve(self, request: Sampling) -> ResolvedSampling:
-        """The one place a request meets the defaults: the caller's values, then the
-        model's own, then what localrun knows about the model, then the neutral ones
-        (chat, stream, complete and batch alike)."""
-        return resolve(request, self._defaults)
-
-    def _hold(self) -> _Held:
-        if self._owner == threading.get_ident():
-            raise ModelBusyError()
-        return _Held(self)
+        return session
 
     def _stream(self, messages: list[Message] | None, text: str | None, request: Sampling,
                 cancel: CancelToken, structured: StructuredRequest | None = None) -> Stream:
-        outcome = _Outcome() if structured is not None else None
-        return Stream(self._run(messages, text, request, cancel, structured, outcome),
-                      cancel, outcome)
-
-    def _run(
-        self,
-        messages: list[Message] | None,
-        text: str | None,
-        request: Sampling,
-        cancel: CancelToken,
-        structured: StructuredRequest | None = None,
-        outcome: _Outcome | None = None,
-    ) -> Iterator[Chunk]:
-        with self._hold():
-            session = self._live()
-            t0 = time.perf_counter()
-            sampling = self._resolve(request)
-            plan = structured_plan(session, messages, structured)
-            prompt = encode_prompt(session, messages, text, plan)
-            n_prompt = len(prompt.tokens)
-            ctx = session.info.context_length
-            if n_prompt >= ctx:
-                raise ContextOverflowError(
-                    n_prompt, ctx, trained_context=session.info.trained_context_length
-                )
-            sampling = constrained(session, sampling, plan)
-            processor = OutputProcessor(plan) if plan is not None and structured is not None \
-                else None
-            yield from self._generate(session, prompt, sampling, cancel, t0, processor, outcome)
-
-    def _generate(
-        self,
-        session: Session,
-        prompt: Prompt,
-        sampling: ResolvedSampling,
-        cancel: CancelToken,
-        t0: float,
-        processor: OutputProcessor | None = None,
-        outcome: _Outcome | None = None,
-    ) -> Iterator[Chunk]:
-        stats = GenerationStats()
-        matcher = StopMatcher(sampling.stop)
-        finish = None
-        t_first = 0.0
-        pieces = session.generate(prompt, sampling, cancel, stats)
-        try:
-            for piece in pieces:
-                if not t_first:
-                    t_first = time.perf_counter()
-                if cancel.cancelled:
-                    finish = "cancelled"
-                    break
-                out, hit = matcher.feed(piece)
-                if out:
-                    yield from _chunks(processor, out)
-                if hit:
-                    finish = "stop"
-                    break
-        except LocalrunError:
-            raise
-        except Exception as e:  # an engine failure must not look like a crash
-            raise GenerationError(session.info.backend, f"{type(e).__name__}: {e}") from e
-        finally:
-            close = getattr(pieces, "close", None)
-            if close is not None:
-                close()
-        if finish is None:
-            finish = "cancelled" if cancel.cancelled else (stats.finish_reason or "length")
-            rest = matcher.flush()
-            if rest:
-                yield from _chunks(processor, rest)
-        if processor is not None:
-            content, deltas = processor.finish()
-            if content or deltas:
-                yield Chunk(content, tool_calls=tuple(deltas))
-            result = processor.result(finish)
-            finish = result.finish_reason or finish
-            if outcome is not None:
-                outcome.tool_calls, outcome.parsed = result.tool_calls, result.parsed
-                outcome.error = result.error
-        t_end = time.perf_counter()
-        yield Chunk(
-            "",
-            finish_reason=finish,  # type: ignore[arg-type]
-            usage=Usage(len(prompt.tokens), stats.completion_tokens),
-            timings=_timings(stats, len(prompt.tokens), t0, t_first, t_end),
-        )
-
-
-def _chunks(processor: OutputProcessor | None, text: str) -> Iterator[Chunk]:
-    if processor is None:
-        yield Chunk(text)
-        return
-    content, deltas = processor.feed(text)
-    if content or deltas:
-        yield Chunk(content, tool_calls=tuple(deltas))
-
-
-def _timings(
-    stats: GenerationStats, n_prompt: int, t0: float, t_first: float, t_end: float
-) -> Timings:
-    ttft = (t_first - t0) if t_first else (t_end - t0)
-    if stats.prefill_seconds > 0:
-        prefill_tps = stats.prefill_tokens / stats.prefill_seconds
-    else:
-        prefill_tps = n_prompt / ttft if ttft > 0 else 0.0
-    if stats.decode_seconds > 0 and stats.decode_tokens > 0:
-        decode_tps = stats.decode_tokens / stats.decode_seconds
-    elif stats.completion_tokens > 1 and t_first:
-        decode_tps = (stats.completion_tokens - 1) / max(t_end - t_first, 1e-9)
-    else:
-        decode_tps = 0.0
-    return Timings(ttft=ttft, prefill_tps=prefill_tps, decode_tps=decode_tps, total=t_end - t0)
-
-
-class _Held:
-    """Queue for the Model: one call at a time, remembering which thread holds it."""
-
-    __slots__ = ("_m",)
-
-    def __init__(self, model: Model) -> None:
-        self._m = model
-
-    def __enter__(self) -> None:
-        self._m._lock.acquire()
-        self._m._owner = threading.get_ident()
-
-    def __exit__(self, *exc: object) -> None:
-        self._m._owner = None
-        self._m._lock.release()
+        return self._driver.stream(Request(messages, text, request, structured), cancel)
 
 
 def load(

@@ -8,7 +8,7 @@ Only the CLI turns them into text and exit codes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 class LocalrunError(Exception):
@@ -93,6 +93,35 @@ class InvalidSamplingError(LocalrunError, ValueError):
         super().__init__(
             f"Invalid value for {option}: {value!r} (allowed: {allowed})",
             hint=f"pass {option} within {allowed}, or leave it unset for the model's default",
+        )
+
+
+def _template_words(text: str) -> str:
+    """The template's own words from an engine's message: OpenVINO puts them after a
+    source location and advice ("Minja's error: ..."), Minja and ONNX Runtime GenAI
+    follow them with the template's source at each frame (" at row 1, column 24:")."""
+    text = text.split("Minja's error:", 1)[-1]
+    text = text.split(" at row ", 1)[0]
+    lines = [ln.strip() for ln in text.splitlines()
+             if ln.strip() and not ln.startswith("Exception from ")]
+    return (lines[0] if lines else text.strip() or "no reason given")[:300]
+
+
+class ChatTemplateError(LocalrunError, ValueError):
+    """The model's chat template refused the conversation: its ``raise_exception`` (roles
+    out of order, a role it does not know) or an error while rendering it. ``roles`` are
+    the conversation's roles in order, the usual thing to fix."""
+
+    def __init__(self, reason: str, messages: Sequence[Mapping[str, object]] = ()):
+        self.reason = _template_words(reason)
+        self.roles = [str(m.get("role")) for m in messages]
+        msg = f"The model's chat template refused the conversation: {self.reason}"
+        if self.roles:
+            msg += f" (roles sent: {', '.join(self.roles)})"
+        super().__init__(
+            msg,
+            hint="check the roles and their order (many templates take one optional system "
+            "message, then user/assistant turns that alternate, starting with user)",
         )
 
 
@@ -484,6 +513,19 @@ class RemoteModelNotFoundError(RemoteError, LookupError):
                              f"use one of the names in `curl {url}/models`"
                              + (f", e.g. localrun run {self.served[0]} --backend remote "
                                 f"--base-url {url}" if self.served else "")))
+
+
+class TokenCountUnavailableError(RemoteError):
+    """``Model.count_tokens`` on a server with no ``POST /tokenize`` (OpenAI, ``localrun
+    serve``): the tokenizer stays on the server, and localrun does not guess a count."""
+
+    def __init__(self, url: str, reason: str, *, status: int):
+        detail = f" ({reason})" if reason else ""
+        super().__init__(
+            url, f"no POST /tokenize{detail}, so count_tokens cannot ask the server's "
+            "tokenizer", status=status, hint=(
+                "count with the model loaded here (localrun.load(PATH).count_tokens(text)), "
+                "or serve it with vLLM or SGLang, whose /tokenize localrun asks"))
 
 
 class VllmStartError(LocalrunError, RuntimeError):

@@ -85,16 +85,16 @@ def _gguf_names(path: Path) -> Iterator[str]:
     from localrun.formats.gguf import read_gguf
 
     try:
-        meta = read_gguf(path, check_size=False).metadata
+        info = read_gguf(path, check_size=False)  # the header detect() read: no new parse
     except ModelFileError:
         return
+    meta = info.metadata
     for key in _GGUF_URL_KEYS:
         value = meta.get(key)
         if isinstance(value, str) and "huggingface.co/" in value:
             yield value
-    name = meta.get("general.name")
-    if isinstance(name, str):
-        yield name
+    if info.name:
+        yield info.name
     parts = [meta.get(f"general.{k}") for k in ("basename", "size_label", "finetune")]
     if isinstance(parts[0], str):
         yield "-".join(p for p in parts if isinstance(p, str))

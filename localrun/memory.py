@@ -2,16 +2,19 @@
 
 Pure arithmetic over numbers the caller gathered (file sizes from the Hub, the model's
 shape from GGUF metadata or config.json). No I/O except the small readers at the end,
-which parse a GGUF header from bytes or a config dict.
+which take the shape from a GGUF header (:mod:`localrun.formats.gguf` parses it) or a
+config dict.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import struct
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from localrun.formats.gguf import GGUFMetadata
 
 #: Fixed cost on top of the weights: compute buffers, runtime, tokenizer (bytes).
 OVERHEAD_FIXED = 256 * 2**20
@@ -106,9 +109,12 @@ class ModelShape:
     #: bytes per element of the model's activations (config.json's dtype), if it says
     dtype_bytes: int | None = None
 
-    def kv_bytes_per_token(self, kv_bytes: int = KV_BYTES) -> int:
-        # K and V for every layer and KV head.
-        return self.n_layers * self.n_kv_heads * self.head_dim * 2 * kv_bytes
+    def kv_bytes_per_token(self, kv_bytes: float = KV_BYTES) -> int:
+        """K and V for every layer and KV head. ``kv_bytes`` may be fractional: a
+        quantized cache (ExLlama's Q4 is half a byte an element plus an fp16 scale per
+        32, 0.5625); a partial byte per token rounds up."""
+        total = self.n_layers * self.n_kv_heads * self.head_dim * 2 * kv_bytes
+        return -int(-total // 1)
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,7 @@ def overhead_bytes(weights_bytes: int, fixed: int = OVERHEAD_FIXED) -> int:
     return fixed + int(weights_bytes * OVERHEAD_FRACTION)
 
 
-def kv_cache_bytes(shape: ModelShape, context: int, kv_bytes: int = KV_BYTES) -> int:
+def kv_cache_bytes(shape: ModelShape, context: int, kv_bytes: float = KV_BYTES) -> int:
     """layers × KV heads × head dim × context × 2 (K and V) × bytes per element."""
     return shape.kv_bytes_per_token(kv_bytes) * context
 
@@ -295,92 +301,11 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                 10: "<Q", 11: "<q", 12: "<d"}
-
-
-class _Truncated(Exception):
-    pass
-
-
-def gguf_metadata_from_bytes(buf: bytes) -> dict[str, Any]:
-    """Key/value metadata from the first bytes of a GGUF file (arrays are skipped).
-
-    Raises ValueError if ``buf`` is not a GGUF header, and EOFError if it ends before
-    the metadata does (read more bytes and try again).
-    """
-    if buf[:4] != b"GGUF":
-        raise ValueError("not a GGUF file")
-    pos = 4
-
-    def take(fmt: str) -> Any:
-        nonlocal pos
-        size = struct.calcsize(fmt)
-        if pos + size > len(buf):
-            raise _Truncated
-        v = struct.unpack_from(fmt, buf, pos)[0]
-        pos += size
-        return v
-
-    def string() -> str:
-        nonlocal pos
-        n = take("<Q")
-        if pos + n > len(buf):
-            raise _Truncated
-        s = buf[pos:pos + n].decode("utf-8", errors="replace")
-        pos += n
-        return s
-
-    def value(vtype: int) -> Any:
-        nonlocal pos
-        if vtype in _GGUF_SCALARS:
-            return take(_GGUF_SCALARS[vtype])
-        if vtype == 8:
-            return string()
-        if vtype == 9:
-            etype, count = take("<I"), take("<Q")
-            if etype in _GGUF_SCALARS:
-                pos += struct.calcsize(_GGUF_SCALARS[etype]) * count
-                if pos > len(buf):
-                    raise _Truncated
-            else:
-                for _ in range(count):
-                    value(etype)
-            return None
-        raise ValueError(f"unknown GGUF value type {vtype}")
-
-    try:
-        version = take("<I")
-        if version not in (2, 3):
-            raise ValueError(f"unsupported GGUF version {version}")
-        take("<Q")  # tensor count
-        n_kv = take("<Q")
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = string()
-            v = value(take("<I"))
-            if v is not None:
-                meta[key] = v
-        return meta
-    except _Truncated:
-        raise EOFError("GGUF metadata continues past the bytes read") from None
-
-
-def shape_from_gguf_metadata(meta: dict[str, Any]) -> ModelShape | None:
-    arch = meta.get("general.architecture")
-    if not isinstance(arch, str):
-        return None
-
-    def get(key: str) -> int | None:
-        v = meta.get(f"{arch}.{key}")
-        return v if isinstance(v, int) else None
-
-    layers, heads = get("block_count"), get("attention.head_count")
-    kv = get("attention.head_count_kv") or heads
-    hd = get("attention.key_length")
-    emb = get("embedding_length")
-    if hd is None and emb and heads:
-        hd = emb // heads
-    if layers and kv and hd:
-        return ModelShape(layers, kv, hd, get("context_length"))
+def shape_from_gguf_metadata(meta: Mapping[str, Any]) -> ModelShape | None:
+    """From a GGUF file's metadata (``read_gguf(path).metadata``, or
+    :func:`localrun.formats.gguf.metadata_from_bytes` for the head of a remote file)."""
+    keys = GGUFMetadata(meta)
+    layers, kv, hd = keys.n_layers, keys.n_kv_heads or keys.n_heads, keys.head_dim
+    if keys.architecture and layers and kv and hd:
+        return ModelShape(layers, kv, hd, keys.context_length)
     return None

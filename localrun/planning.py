@@ -241,11 +241,10 @@ def request_for(model: str | None, *, backend: str = "auto", prefer: Preference 
     """A PlanRequest for a reference: local files are detected; names are left to the Hub
     (the packaged default's name too, when another quant is asked for)."""
     from localrun.formats.detect import detect
-    from localrun.refs import default_serves, is_default_name
-    from localrun.resolve import _local_path
+    from localrun.refs import default_serves, is_default_name, local_path
     from localrun.stores import DEFAULT_MODEL_ALIAS
 
-    path = _local_path(model)
+    path = local_path(model)
     if path is not None and is_default_name(model) and not default_serves(quant):
         path = None
     if path is None:

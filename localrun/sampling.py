@@ -5,8 +5,9 @@ ExLlamaV2: repetition 1.025). localrun never lets them leak: every backend recei
 fully resolved :class:`ResolvedSampling` and passes every field explicitly.
 Precedence: the caller's value, then the model's own generation defaults
 (generation_config.json or GGUF ``general.sampling.*``), then what localrun's catalog
-knows about the model, then :data:`FALLBACK`. ``Model._resolve`` is where a request
-meets those defaults, for chat, stream, complete and batch alike.
+knows about the model, then :data:`FALLBACK`. The driver (``localrun.driver``) is where
+a request meets those defaults, for chat, stream, complete and batch alike, and where
+``max_tokens`` is clamped to the context and the seed drawn.
 """
 
 from __future__ import annotations

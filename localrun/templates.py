@@ -12,7 +12,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from localrun.errors import LocalrunError
+from localrun.errors import ChatTemplateError, LocalrunError
 from localrun.types import Message
 
 #: Used only when a model ships no template at all.
@@ -25,9 +25,7 @@ CHATML = (
 
 
 def _raise(message: str) -> None:
-    raise LocalrunError(f"The model's chat template refused the conversation: {message}",
-                        hint="check the roles and their order (many templates require "
-                        "user/assistant turns to alternate)")
+    raise ChatTemplateError(message)  # render_chat adds the conversation's roles
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -66,15 +64,20 @@ def render_chat(
     ``apply_chat_template(tools=...)`` passes them.
     """
     extra: dict[str, Any] = {} if tools is None else {"tools": list(tools)}
-    return str(
-        _compile(template or CHATML).render(
-            messages=list(messages),
-            bos_token=bos_token,
-            eos_token=eos_token,
-            add_generation_prompt=add_generation_prompt,
-            **extra,
+    try:
+        return str(
+            _compile(template or CHATML).render(
+                messages=list(messages),
+                bos_token=bos_token,
+                eos_token=eos_token,
+                add_generation_prompt=add_generation_prompt,
+                **extra,
+            )
         )
-    )
+    except ChatTemplateError as e:  # the template's raise_exception
+        raise ChatTemplateError(e.reason, messages) from None
+    except Exception as e:  # jinja2's TemplateError, or e.g. a TypeError inside the template
+        raise ChatTemplateError(str(e) or type(e).__name__, messages) from e
 
 
 def normalize_messages(messages: object) -> list[Message]:

@@ -76,14 +76,8 @@ def bench(backend: str, items: list[str], levels: list[int], max_tokens: int) ->
         warnings.simplefilter("ignore")
         model = localrun.load(path, backend=backend)
     with model:
-        session = model._session
         note = ""
-        if backend == "openvino" and not getattr(session, "supports_batch", False):
-            from localrun.backends.openvino_batch import batching_session
-
-            batching_session(session)  # until the session's own hook lands
-            note = " (batching hook added by the script)"
-        if not getattr(model._session, "supports_batch", False):
+        if model._session.batcher() is None:
             note = " (no engine batching: runs in turn)"
         speeds = []
         for level in levels:

@@ -6,7 +6,12 @@ prompt, 401, 404 for an unknown model), and ``/health``.
 
 Its "model" has a word-level tokenizer and answers by repeating the last user message's
 words: greedy (temperature 0) in order, once, then end-of-sequence; sampled, words drawn
-with ``random.Random(seed)``. Run as a script it is a fake ``vllm`` executable:
+with ``random.Random(seed)``. With ``tools``, it calls each tool whose name the last user
+message holds (after saying "Checking."), with ``{"q": <the message's last word>}`` as
+arguments, streamed in 4-character fragments as vLLM streams them; ``first_delay`` holds
+the first event back (a queued request), watching for the client going away meanwhile,
+as uvicorn does. ``POST /tokenize`` counts words (vLLM's shape) unless ``tokenize`` is
+off. Run as a script it is a fake ``vllm`` executable:
 ``vllm serve MODEL --port P [--served-model-name N] [--max-model-len L]``, with
 FAKE_VLLM_MODE=fail (log an error and exit 1), =hang (never healthy), FAKE_VLLM_DELAY
 (seconds before it listens) and FAKE_VLLM_PIDFILE (fork a worker, as vLLM forks its
@@ -18,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
+import socket
 import subprocess
 import sys
 import threading
@@ -28,8 +35,13 @@ from typing import Any
 
 class FakeOpenAI:
     def __init__(self, models: list[str], *, api_key: str | None = None,
-                 max_model_len: int = 64, token_delay: float = 0.0) -> None:
+                 max_model_len: int = 64, token_delay: float = 0.0,
+                 first_delay: float = 0.0, tokenize: bool = True,
+                 auto_tools: bool = True) -> None:
         self.models = models
+        self.auto_tools = auto_tools  # False: as vLLM started without --tool-call-parser
+        self.first_delay = first_delay
+        self.tokenize = tokenize
         self.api_key = api_key
         self.max_model_len = max_model_len
         self.token_delay = token_delay
@@ -95,6 +107,15 @@ class FakeOpenAI:
                 fake.requests.append(body)
                 if not self._authorized():
                     return
+                if self.path == "/tokenize" and fake.tokenize:
+                    if body.get("model") not in fake.models:
+                        self._error(404, f"The model `{body.get('model')}` does not exist.",
+                                    "NotFoundError")
+                        return
+                    words = str(body.get("prompt", "")).split()
+                    self._json(200, {"count": len(words), "max_model_len": fake.max_model_len,
+                                     "tokens": list(range(len(words))), "token_strs": None})
+                    return
                 chat = self.path == "/v1/chat/completions"
                 if not chat and self.path != "/v1/completions":
                     self._error(404, "Not Found", "NotFoundError")
@@ -105,10 +126,15 @@ class FakeOpenAI:
                     return
                 if chat:
                     users = [m["content"] for m in body["messages"] if m["role"] == "user"]
-                    prompt = " ".join(str(m["content"]) for m in body["messages"])
+                    prompt = " ".join(str(m["content"] or "") for m in body["messages"])
                     source = users[-1] if users else ""
                 else:
                     prompt = source = body["prompt"]
+                if body.get("tools") and body.get("tool_choice", "auto") == "auto" and \
+                        not fake.auto_tools:
+                    self._error(400, '"auto" tool choice requires --enable-auto-tool-choice '
+                                "and --tool-call-parser to be set", "BadRequestError")
+                    return
                 if "crash" in source:
                     self._error(500, "EngineCore encountered an issue.", "InternalServerError")
                     return
@@ -154,6 +180,12 @@ class FakeOpenAI:
                     fake.active += 1
                     fake.most_active = max(fake.most_active, fake.active)
                 try:
+                    if fake.first_delay and self._client_left(fake.first_delay):
+                        fake.disconnects += 1
+                        return
+                    if chat and body.get("tools"):
+                        self._calls(body, base, words)
+                        return
                     if chat:
                         self._send({**base, "choices": [{"index": 0, "delta": {
                             "role": "assistant", "content": ""}, "finish_reason": None}]})
@@ -192,6 +224,52 @@ class FakeOpenAI:
                     with fake._lock:
                         fake.active -= 1
 
+            def _client_left(self, seconds: float) -> bool:
+                """Wait ``seconds``; True as soon as the client closes its connection."""
+                deadline = time.monotonic() + seconds
+                while time.monotonic() < deadline:
+                    ready, _, _ = select.select([self.connection], [], [], 0.05)
+                    if ready:
+                        try:
+                            if not self.connection.recv(1, socket.MSG_PEEK):
+                                return True
+                        except OSError:
+                            return True
+                return False
+
+            def _calls(self, body: dict[str, Any], base: dict[str, Any],
+                       words: list[str]) -> None:
+                names = [t["function"]["name"] for t in body["tools"]]
+                choice = body.get("tool_choice", "auto")
+                if isinstance(choice, dict):
+                    called = [choice["function"]["name"]]
+                else:
+                    called = [n for n in names if n in words] or \
+                        (names[:1] if choice == "required" else [])
+
+                def send(delta: dict[str, Any], finish: str | None = None) -> None:
+                    self._send({**base, "choices": [{"index": 0, "delta": delta,
+                                                     "finish_reason": finish}]})
+
+                send({"role": "assistant", "content": ""})
+                if choice == "auto":
+                    send({"content": "Checking."})
+                args = json.dumps({"q": words[-1] if words else ""})
+                for i, name in enumerate(called):
+                    send({"tool_calls": [{"index": i, "id": f"chatcmpl-tool-{i}",
+                                          "type": "function",
+                                          "function": {"name": name, "arguments": ""}}]})
+                    for j in range(0, len(args), 4):
+                        time.sleep(fake.token_delay)
+                        send({"tool_calls": [{"index": i, "function": {
+                            "arguments": args[j:j + 4]}}]})
+                send({}, "tool_calls" if called else "stop")
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    self._send({**base, "choices": [], "usage": {
+                        "prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}})
+                self._send(b"[DONE]")
+                self.wfile.write(b"0\r\n\r\n")
+
         return Handler
 
 
@@ -201,7 +279,11 @@ def main(argv: list[str]) -> int:
         print("usage: vllm serve MODEL [options]", file=sys.stderr)
         return 2
     model, rest = argv[1], argv[2:]
-    opts = dict(zip(rest[::2], rest[1::2], strict=False))
+    opts: dict[str, str] = {}
+    for i, arg in enumerate(rest):
+        if arg.startswith("--"):  # a flag with its value, or a switch (--enforce-eager)
+            nxt = rest[i + 1] if i + 1 < len(rest) else ""
+            opts[arg] = "" if nxt.startswith("--") else nxt
     print(f"INFO vllm serve {model} {' '.join(rest)}", flush=True)
     mode = os.environ.get("FAKE_VLLM_MODE", "")
     if mode == "fail":

@@ -30,23 +30,39 @@ from localrun.server.metrics import Metrics
 WAIT = 60.0
 
 
-def one_thread_model() -> Iterator[Any]:
-    """For a module's ``server_model`` fixture: the embedded SmolLM2-135M GGUF on
-    llama.cpp, loaded once and warmed up.
+#: The name the shared test model is served under.
+MODEL = "smollm2:135m"
 
-    One thread: on a busy 2-core machine llama.cpp's two threads wait on each other at
-    every token (measured here under load: 0.1 s vs 1-1.5 s for 6 tokens).
+
+def server_fixtures(config: ServerConfig) -> tuple[Any, Any]:
+    """A test module's two fixtures, assigned as ``server_model, srv = server_fixtures(...)``:
+
+    - ``server_model``: the embedded SmolLM2-135M GGUF on llama.cpp, loaded once per
+      module and warmed up. One thread: on a busy 2-core machine llama.cpp's two threads
+      wait on each other at every token (measured here under load: 0.1 s vs 1-1.5 s for
+      6 tokens);
+    - ``srv``: ``config`` served on 127.0.0.1 with that model preloaded as ``MODEL``.
     """
-    import localrun
-    from tests.conftest import HAVE_LLAMA
-    from tests.models import test_model
 
-    if not HAVE_LLAMA:
-        pytest.skip("llama-cpp-python is not installed (pip install 'localrun[llama-cpp]')")
-    with localrun.load(str(test_model("gguf-q4_1")), backend="llama.cpp", context=2048,
-                       threads=1) as m:
-        m.complete("1, 2, 3,", max_tokens=2, temperature=0)  # first touch of the weights
-        yield m
+    @pytest.fixture(scope="module", name="server_model")
+    def server_model() -> Iterator[Any]:
+        import localrun
+        from tests.conftest import HAVE_LLAMA
+        from tests.models import test_model
+
+        if not HAVE_LLAMA:
+            pytest.skip("llama-cpp-python is not installed (pip install 'localrun[llama-cpp]')")
+        with localrun.load(str(test_model("gguf-q4_1")), backend="llama.cpp", context=2048,
+                           threads=1) as m:
+            m.complete("1, 2, 3,", max_tokens=2, temperature=0)  # first touch of the weights
+            yield m
+
+    @pytest.fixture(scope="module", name="srv")
+    def srv(server_model: Any) -> Iterator[Running]:
+        with serve(config, preload={MODEL: server_model}) as s:
+            yield s
+
+    return server_model, srv
 
 
 @dataclass

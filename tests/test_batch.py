@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import importlib.util
 import threading
-from collections import deque
+import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from localrun.backends.base import GenerationStats, Prompt, Session
+from localrun.backends.base import Batcher, GenerationStats, Prompt, Session
 from localrun.batch import BatchError, BatchItem
-from localrun.errors import ContextOverflowError, InvalidSamplingError, LocalrunError
+from localrun.errors import (
+    ContextOverflowError,
+    GenerationError,
+    InvalidSamplingError,
+    LocalrunError,
+)
 from localrun.sampling import ResolvedSampling
 from localrun.types import CancelToken, Completion
 
@@ -103,32 +109,81 @@ def test_cancel_midway(llama_model: Any) -> None:
     assert llama_model.chat("Hi", max_tokens=2).usage.completion_tokens == 2  # still usable
 
 
-# -- the engine-batching path of the API layer --------------------------------------------
+# -- the engine-batching path of the driver ------------------------------------------------
 #
-# The shared layer's batch path (stop strings, per-sequence cancels, finish reasons,
-# failures) driven by a batching engine made of real llama.cpp sessions: one session per
-# slot, each running one sequence, and every round each running sequence yields its next
-# piece, so pieces of different sequences really arrive interleaved, and a freed slot
-# takes the next waiting prompt, as in a continuous batcher. (OpenVINO's real continuous
-# batching is tested below when it is installed.)
+# The driver's batch path (stop strings, per-sequence cancels, finish reasons, failures)
+# driven by a Batcher made of real llama.cpp sessions: one session per slot, each
+# running one sequence, and every step each running sequence yields its next piece, so
+# pieces of different sequences really arrive interleaved, and a freed slot takes the
+# next waiting prompt, as in a continuous batcher. (OpenVINO's real continuous batching
+# is tested below when it is installed.)
 
 #: Sessions (slots) of the interleaving engine: at most this many sequences at once.
 SLOTS = 4
 
 
-class Interleaving(Session):
-    supports_batch = True
+class InterleavingBatcher(Batcher):
+    capacity = SLOTS
 
+    def __init__(self, engine: Interleaving) -> None:
+        self.engine = engine
+        self.free = list(engine.slots)
+        self.running: dict[int, tuple[Session, Iterator[str]]] = {}
+        self.cancelled: set[int] = set()
+        self.explode = False
+
+    def add(self, key: int, prompt: Prompt, sampling: ResolvedSampling,
+            stats: GenerationStats) -> None:
+        engine = self.engine
+        engine.samplings.append(sampling)
+        engine.admitted += 1
+        if engine.admitted - 1 == engine.fail_at:
+            self.explode = True  # the next step fails, with this sequence in flight
+        stats.started = time.perf_counter()
+        stats.prefill_tokens = len(prompt.tokens)
+        slot = self.free.pop()
+        self.running[key] = slot, slot.generate(prompt, sampling, CancelToken(), stats)
+        engine.most_at_once = max(engine.most_at_once, len(self.running))
+
+    def cancel(self, key: int) -> None:
+        self.cancelled.add(key)
+
+    def step(self) -> list[tuple[int, str | None]]:
+        if self.explode:
+            self.explode = False
+            raise RuntimeError("engine exploded")
+        out: list[tuple[int, str | None]] = []
+        for key, (slot, pieces) in list(self.running.items()):  # one step: a piece each
+            piece = None if key in self.cancelled else next(pieces, None)
+            if piece is None:
+                pieces.close()  # type: ignore[attr-defined]
+                del self.running[key]
+                self.cancelled.discard(key)
+                self.free.append(slot)
+                out.append((key, None))
+            else:
+                self.engine.order.append(key)
+                out.append((key, piece))
+        return out
+
+    def close(self) -> None:
+        for key in list(self.running):
+            self.cancel(key)
+        self.step()
+
+
+class Interleaving(Session):
     def __init__(self, slots: Sequence[Session], fail_at: int | None = None) -> None:
         self.inner = slots[0]
         self.slots = list(slots)
         self.info = self.inner.info
         self.sampling_defaults = self.inner.sampling_defaults
-        self.fail_at = fail_at  # raise when this sequence would be admitted
-        self.max_seen: int | None = -1
+        self.fail_at = fail_at  # the step after this sequence's admission fails
+        self.admitted = 0  # sequences the batcher took
         self.samplings: list[ResolvedSampling] = []  # what each call was resolved to
         self.order: list[int] = []  # the sequence of each piece yielded, in order
         self.most_at_once = 0
+        self._batcher: InterleavingBatcher | None = None
 
     def encode_chat(self, messages: Sequence[Any]) -> Prompt:
         return self.inner.encode_chat(messages)
@@ -141,37 +196,10 @@ class Interleaving(Session):
         self.samplings.append(sampling)
         return self.inner.generate(prompt, sampling, cancel, stats)
 
-    def generate_batch(self, prompts: Sequence[Prompt], samplings: Sequence[ResolvedSampling],
-                       cancels: Sequence[CancelToken], stats: Sequence[GenerationStats],
-                       max_concurrency: int | None) -> Iterator[tuple[int, str | None]]:
-        self.max_seen = max_concurrency
-        self.samplings.extend(samplings)
-        free = self.slots[: min(max_concurrency or SLOTS, SLOTS)]
-        waiting = deque(range(len(prompts)))
-        running: dict[int, tuple[Session, Iterator[str]]] = {}
-        try:
-            while waiting or running:
-                while waiting and free:  # admit into free slots
-                    k = waiting.popleft()
-                    if k == self.fail_at:
-                        raise RuntimeError("engine exploded")
-                    slot = free.pop()
-                    running[k] = slot, slot.generate(prompts[k], samplings[k], cancels[k],
-                                                     stats[k])
-                self.most_at_once = max(self.most_at_once, len(running))
-                for k, (slot, pieces) in list(running.items()):  # one step: a piece each
-                    piece = None if cancels[k].cancelled else next(pieces, None)
-                    if piece is None:
-                        pieces.close()  # type: ignore[attr-defined]
-                        del running[k]
-                        free.append(slot)
-                        yield k, None
-                    else:
-                        self.order.append(k)
-                        yield k, piece
-        finally:
-            for _, pieces in running.values():
-                pieces.close()  # type: ignore[attr-defined]
+    def batcher(self) -> Batcher:
+        if self._batcher is None:
+            self._batcher = InterleavingBatcher(self)
+        return self._batcher
 
 
 def interleaved(order: Sequence[int]) -> bool:
@@ -205,13 +233,12 @@ def llama_slots(default_gguf: Any) -> Iterator[list[Session]]:
 
 @pytest.fixture()
 def batching_model(llama_model: Any, llama_slots: list[Session]) -> Iterator[Any]:
-    session = llama_model._session
-    adapter = Interleaving([session, *llama_slots])
-    llama_model._session = adapter
-    try:
-        yield llama_model
-    finally:
-        llama_model._session = session
+    """A Model over the interleaving engine, with llama_model's sampling defaults."""
+    from localrun.api import Model
+
+    engine = Interleaving([llama_model._session, *llama_slots])
+    # Not closed: its sessions belong to llama_model and llama_slots.
+    yield Model(engine, llama_model._driver.defaults)
 
 
 def test_batched_path_matches_sequential(batching_model: Any) -> None:
@@ -219,9 +246,9 @@ def test_batched_path_matches_sequential(batching_model: Any) -> None:
     sequential one (greedy: text, usage, finish reason)."""
     engine = batching_model._session
     sequential = batching_model.batch(PROMPTS, temperature=0, max_tokens=8, max_concurrency=1)
-    assert engine.max_seen == -1 and not engine.order  # concurrency 1: items ran in turn
+    assert engine.admitted == 0 and not engine.order  # concurrency 1: items ran in turn
     batched = batching_model.batch(PROMPTS, temperature=0, max_tokens=8, max_concurrency=8)
-    assert engine.max_seen == 8 and engine.most_at_once == SLOTS
+    assert engine.admitted == len(PROMPTS) and engine.most_at_once == SLOTS  # capacity
     assert interleaved(engine.order)
     for s, c in zip(sequential, batched, strict=True):
         assert 0 < c.usage.completion_tokens <= 8
@@ -244,8 +271,9 @@ def test_batched_path_stop_strings_and_overflow(batching_model: Any) -> None:
 
 
 def test_batched_path_engine_failure_is_per_item(batching_model: Any) -> None:
-    """The engine fails when admitting item 2: item 0 had finished and keeps its
-    result; item 1, still running beside it, and item 2 get the error."""
+    """The engine fails in the step after admitting item 2: item 0 had finished and
+    keeps its result; item 1, still running beside it, and item 2 get the error; the
+    next batch runs as usual."""
     engine = batching_model._session
     engine.fail_at = 2
     results = dict(batching_model.batch_iter(
@@ -253,8 +281,11 @@ def test_batched_path_engine_failure_is_per_item(batching_model: Any) -> None:
         temperature=0, max_tokens=6, max_concurrency=2))
     assert interleaved(engine.order)
     assert isinstance(results[0], Completion) and results[0].usage.completion_tokens == 2
-    assert isinstance(results[1], LocalrunError) and isinstance(results[2], LocalrunError)
+    assert isinstance(results[1], GenerationError) and isinstance(results[2], GenerationError)
     assert "engine exploded" in str(results[1])
+    again = batching_model.batch(PROMPTS[:3], temperature=0, max_tokens=3, max_concurrency=3)
+    assert [c.usage.completion_tokens for c in again] == [3, 3, 3]
+    assert not engine._batcher.running  # the failed ones were dropped from the engine
 
 
 def test_batch_resolves_sampling_like_chat(batching_model: Any) -> None:
@@ -268,9 +299,11 @@ def test_batch_resolves_sampling_like_chat(batching_model: Any) -> None:
     session.samplings.clear()
     batching_model.batch(["Hi", BatchItem("Hello", {"top_k": 5})], max_tokens=1,
                          max_concurrency=2)
-    assert session.max_seen == 2 and len(session.samplings) == 2  # the engine-batch path
+    assert session.admitted == 2 and len(session.samplings) == 2  # the engine-batch path
     plain, overridden = session.samplings
-    assert plain == chat
+    # the same resolution; each call draws its own seed (an int: engines never draw one)
+    assert all(isinstance(s.seed, int) for s in (chat, plain, overridden))
+    assert replace(plain, seed=None) == replace(chat, seed=None)
     assert (chat.temperature, chat.top_p) == (DEFAULT_MODEL_SAMPLING["temperature"],
                                               DEFAULT_MODEL_SAMPLING["top_p"])
     assert overridden.temperature == chat.temperature and overridden.top_k == 5
@@ -304,11 +337,8 @@ def openvino_model() -> Iterator[Any]:
 
     path = test_model("openvino-int4")
     import localrun
-    from localrun.backends.openvino_batch import batching_session
 
     with localrun.load(str(path), backend="openvino") as m:
-        batching_session(m._session)  # no-op once the session has its own hook
-        assert m._session.supports_batch
         yield m
 
 
@@ -330,7 +360,6 @@ def openvino_f32() -> Iterator[Any]:
     import localrun
 
     with localrun.load(str(path), backend="openvino", INFERENCE_PRECISION_HINT="f32") as m:
-        assert m._session.supports_batch
         yield m
 
 
@@ -445,10 +474,7 @@ class StepSpy:
 def test_openvino_runs_sequences_at_once(openvino_model: Any) -> None:
     """By OpenVINO's own count, steps run several sequences at once, and never more
     than max_concurrency."""
-    session = openvino_model._session
-    if getattr(session, "_batcher", None) is None:  # the pipeline is built on first use
-        openvino_model.batch(["Hi", "Hello"], max_tokens=1, max_concurrency=2)
-    batcher = session._batcher
+    batcher = openvino_model._session.batcher()  # built on first use, then kept
     spy = StepSpy(batcher.pipe)
     batcher.pipe = spy
     try:

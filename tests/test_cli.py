@@ -10,6 +10,7 @@ import select
 import shlex
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,42 +154,6 @@ def _read_until(fd: int, needle: str, timeout: float = 90) -> str:
     return buf
 
 
-@requires_llama
-def test_chat_interactive_session(clean_env: dict[str, str]) -> None:
-    pid, fd = pty.fork()
-    if pid == 0:  # child: the real CLI on a terminal
-        cmd = localrun_cmd()
-        os.execve(cmd[0], [*cmd, "chat", "--temperature", "0", "--max-tokens", "300"],
-                  clean_env)
-    try:
-        out = _read_until(fd, ">>> ")
-        assert "llama.cpp" in out and "Q4_1" in out  # the header
-        os.write(fd, b"/help\n")
-        assert "/reset" in _read_until(fd, ">>> ")
-        os.write(fd, b"What is 2+2?\n")
-        reply = _read_until(fd, ">>> ")
-        assert "4" in reply or "four" in reply.lower()
-        os.write(fd, b"/stats\n")
-        assert "TTFT" in _read_until(fd, ">>> ")
-        # Ctrl-C stops a long reply and returns to the prompt
-        os.write(fd, b"Write a very long story about a dragon and a knight.\n")
-        time.sleep(1.0)
-        os.write(fd, b"\x03")
-        assert "[stopped]" in _read_until(fd, ">>> ")
-        os.write(fd, b"/reset\n")
-        assert "cleared" in _read_until(fd, ">>> ")
-        os.write(fd, b"\x04")  # Ctrl-D exits
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        try:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        os.close(fd)
-
-
 class _PtyChat:
     """The real `localrun chat` on a pseudo-terminal, as a person types into it."""
 
@@ -197,7 +162,17 @@ class _PtyChat:
         if self.pid == 0:  # child: the CLI
             cmd = localrun_cmd()
             os.execve(cmd[0], [*cmd, "chat", *args], env)
-        self.header = _read_until(self.fd, ">>> ")
+        try:
+            self.header = _read_until(self.fd, ">>> ")
+        except BaseException:
+            self.close()
+            raise
+
+    def send_bytes(self, data: bytes) -> str:
+        """Write raw bytes (Ctrl-C, Ctrl-D, text that is not UTF-8); the output up to the
+        next ">>> "."""
+        os.write(self.fd, data)
+        return _read_until(self.fd, ">>> ")
 
     def send(self, *lines: str) -> str:
         """Type lines (continuation lines after their "... " prompt); the output up to
@@ -219,12 +194,47 @@ class _PtyChat:
         return os.waitstatus_to_exitcode(status)
 
     def close(self) -> None:
+        if self.fd < 0:
+            return
         try:
             os.kill(self.pid, 9)
             os.waitpid(self.pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
         os.close(self.fd)
+        self.fd = -1
+
+
+@pytest.fixture
+def pty_chat() -> Iterator[Callable[..., _PtyChat]]:
+    """Start `localrun chat` on a pseudo-terminal; every one started is ended after the test."""
+    chats: list[_PtyChat] = []
+
+    def begin(env: dict[str, str], *args: str) -> _PtyChat:
+        chats.append(_PtyChat(env, *args))
+        return chats[-1]
+
+    yield begin
+    for chat in chats:
+        chat.close()
+
+
+@requires_llama
+def test_chat_interactive_session(clean_env: dict[str, str],
+                                  pty_chat: Callable[..., _PtyChat]) -> None:
+    chat = pty_chat(clean_env, "--temperature", "0", "--max-tokens", "300")
+    assert "llama.cpp" in chat.header and "Q4_1" in chat.header
+    assert "/reset" in chat.send("/help")
+    reply = chat.send("What is 2+2?")
+    assert "4" in reply or "four" in reply.lower()
+    assert "TTFT" in chat.send("/stats")
+    # Ctrl-C stops a long reply and returns to the prompt
+    os.write(chat.fd, b"Write a very long story about a dragon and a knight.\n")
+    time.sleep(1.0)
+    assert "[stopped]" in chat.send_bytes(b"\x03")
+    assert "cleared" in chat.send("/reset")
+    os.write(chat.fd, b"\x04")  # Ctrl-D exits
+    assert chat.exit_code() == 0
 
 
 PIRATE = "You are a pirate. Answer like a pirate."
@@ -237,7 +247,8 @@ def _user(text: str) -> dict[str, str]:
 
 
 @requires_llama
-def test_chat_commands_and_multiline_input(llama_model: Any, clean_env: dict[str, str]) -> None:
+def test_chat_commands_and_multiline_input(llama_model: Any, clean_env: dict[str, str],
+                                          pty_chat: Callable[..., _PtyChat]) -> None:
     """/system, /reset, /exit and both multi-line forms, checked against the Python API on
     the same model and context: each reply's text and its prompt tokens (from /stats) are
     those of the conversation the command should have left."""
@@ -256,35 +267,32 @@ def test_chat_commands_and_multiline_input(llama_model: Any, clean_env: dict[str
     continued = api([_user("Answer in one word.\nWhat is the opposite of hot?")])
     block = api([_user("Translate to French:\nGood morning.")])
 
-    chat = _PtyChat(clean_env, *CHAT_FLAGS)
-    try:
-        assert "System prompt set; conversation cleared." in chat.send(f"/system {PIRATE}")
-        assert piratical.text in chat.send(q1)
-        assert chat.stats() == (piratical.usage.prompt_tokens,
-                                piratical.usage.completion_tokens)
-        assert follow_up.text in chat.send(q2)  # the conversation goes on
-        assert chat.stats()[0] == follow_up.usage.prompt_tokens
-        # /reset forgets the conversation and keeps the system prompt
-        assert "Conversation cleared." in chat.send("/reset")
-        assert piratical.text in chat.send(q1)
-        assert chat.stats()[0] == piratical.usage.prompt_tokens
-        # /system with no text removes it (and starts over)
-        assert "System prompt removed." in chat.send("/system")
-        assert plain.text in chat.send(q1)
-        assert chat.stats()[0] == plain.usage.prompt_tokens
-        # a line ending in \ continues on the next line: one message of two lines
-        chat.send("/reset")
-        assert continued.text in chat.send("Answer in one word.\\",
-                                           "What is the opposite of hot?")
-        assert chat.stats()[0] == continued.usage.prompt_tokens
-        # a """ block is one message, the lines between the markers
-        chat.send("/reset")
-        assert block.text in chat.send('"""', "Translate to French:", "Good morning.", '"""')
-        assert chat.stats()[0] == block.usage.prompt_tokens
-        os.write(chat.fd, b"/exit\n")
-        assert chat.exit_code() == 0
-    finally:
-        chat.close()
+    chat = pty_chat(clean_env, *CHAT_FLAGS)
+    assert "System prompt set; conversation cleared." in chat.send(f"/system {PIRATE}")
+    assert piratical.text in chat.send(q1)
+    assert chat.stats() == (piratical.usage.prompt_tokens,
+                            piratical.usage.completion_tokens)
+    assert follow_up.text in chat.send(q2)  # the conversation goes on
+    assert chat.stats()[0] == follow_up.usage.prompt_tokens
+    # /reset forgets the conversation and keeps the system prompt
+    assert "Conversation cleared." in chat.send("/reset")
+    assert piratical.text in chat.send(q1)
+    assert chat.stats()[0] == piratical.usage.prompt_tokens
+    # /system with no text removes it (and starts over)
+    assert "System prompt removed." in chat.send("/system")
+    assert plain.text in chat.send(q1)
+    assert chat.stats()[0] == plain.usage.prompt_tokens
+    # a line ending in \ continues on the next line: one message of two lines
+    chat.send("/reset")
+    assert continued.text in chat.send("Answer in one word.\\",
+                                       "What is the opposite of hot?")
+    assert chat.stats()[0] == continued.usage.prompt_tokens
+    # a """ block is one message, the lines between the markers
+    chat.send("/reset")
+    assert block.text in chat.send('"""', "Translate to French:", "Good morning.", '"""')
+    assert chat.stats()[0] == block.usage.prompt_tokens
+    os.write(chat.fd, b"/exit\n")
+    assert chat.exit_code() == 0
 
 
 #: Candidate settings for the flag test: each is used only if leaving out any one flag
@@ -388,9 +396,11 @@ def test_non_utf8_stdin_is_one_line_error(clean_env: dict[str, str], decoding: d
 
 def test_non_utf8_argument_is_one_line_error(clean_env: dict[str, str]) -> None:
     # Python hands argv bytes that are not UTF-8 over as lone surrogates.
-    for args in (["run", "smollm2:135m", b"caf\xe9"],
-                 ["run", "smollm2:135m", "hi", "--system", b"caf\xe9"],
-                 ["chat", "--system", b"caf\xe9"]):
+    cases: tuple[list[bytes | str], ...] = (
+        ["run", "smollm2:135m", b"caf\xe9"],
+        ["run", "smollm2:135m", "hi", "--system", b"caf\xe9"],
+        ["chat", "--system", b"caf\xe9"])
+    for args in cases:
         r = _raw_cli(*args, stdin=b"hi\n", env=clean_env)
         err = _one_line_error(r)
         assert "bug" not in err and "not UTF-8" in err and "0xE9" in err, err
@@ -413,30 +423,14 @@ def test_stray_surrogate_error_is_not_called_a_bug(capsys: pytest.CaptureFixture
 
 @requires_llama
 @pytest.mark.parametrize("decoding", DECODINGS[1:], ids=["c", "strict"])
-def test_chat_interactive_non_utf8_line(clean_env: dict[str, str],
-                                        decoding: dict[str, str]) -> None:
+def test_chat_interactive_non_utf8_line(clean_env: dict[str, str], decoding: dict[str, str],
+                                        pty_chat: Callable[..., _PtyChat]) -> None:
     """A line that is not UTF-8 is refused in one line; the chat goes on. (In C.UTF-8,
     readline drops the bad byte itself: nothing reaches localrun to refuse.)"""
-    pid, fd = pty.fork()
-    if pid == 0:
-        cmd = localrun_cmd()
-        os.execve(cmd[0], [*cmd, "chat", "--temperature", "0", "--max-tokens", "20"],
-                  {**clean_env, **decoding})
-    try:
-        _read_until(fd, ">>> ")
-        os.write(fd, b"caf\xe9?\n")
-        out = _read_until(fd, ">>> ")
-        assert "error: That message is not UTF-8 text" in out and "Traceback" not in out
-        os.write(fd, b"What is 2+2?\n")
-        reply = _read_until(fd, ">>> ")
-        assert "4" in reply or "four" in reply.lower()
-        os.write(fd, b"\x04")
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        try:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        os.close(fd)
+    chat = pty_chat({**clean_env, **decoding}, "--temperature", "0", "--max-tokens", "20")
+    out = chat.send_bytes(b"caf\xe9?\n")
+    assert "error: That message is not UTF-8 text" in out and "Traceback" not in out
+    reply = chat.send("What is 2+2?")
+    assert "4" in reply or "four" in reply.lower()
+    os.write(chat.fd, b"\x04")
+    assert chat.exit_code() == 0

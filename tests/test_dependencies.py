@@ -36,8 +36,8 @@ ENGINE_MODULES: dict[str, str] = {
     "mlx": "MLX engine: extra mlx (mlx)",
     "mlx_lm": "MLX engine: extra mlx (mlx-lm)",
     "openvino_genai": "OpenVINO GenAI engine: extra openvino (openvino-genai)",
-    "openvino": "OpenVINO runtime, a dependency of openvino-genai; hardware.py asks it "
-                "for devices only when it is installed",
+    "openvino": "OpenVINO runtime, a dependency of openvino-genai; hardware/accelerators.py "
+                "asks it for devices only when it is installed",
     "onnxruntime_genai": "ONNX Runtime GenAI engine: extra onnx (onnxruntime-genai and "
                          "its CUDA/DirectML builds)",
     "exllamav2": "ExLlamaV2 engine: extra exllamav2",
@@ -161,7 +161,7 @@ def test_engine_modules_are_imported_only_lazily() -> None:
 def test_the_walk_sees_what_it_must(tmp_path: Path) -> None:
     """The checks above cannot pass by reading nothing."""
     found = {(i.module, i.lazy) for i in third_party_imports()}
-    assert ("huggingface_hub", False) in found  # localrun/hub.py, at the top
+    assert ("huggingface_hub", False) in found  # localrun/hub/, at the top
     assert ("llama_cpp", True) in found and ("llama_cpp", False) not in found
     pkg = tmp_path / "localrun"
     pkg.mkdir()

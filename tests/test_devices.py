@@ -356,7 +356,7 @@ def test_npu_gets_prompt_and_response_lengths_from_the_context(
         assert device == "NPU"
         assert (props["MAX_PROMPT_LEN"], props["MIN_RESPONSE_LEN"]) == (3072, 1024)
         assert m.info.context_length == 4096 and m.info.device == "NPU"
-        assert not m._session.supports_batch  # no continuous batching on the NPU
+        assert m._session.batcher() is None  # no continuous batching on the NPU
         assert m.chat("Hi", max_tokens=2).usage.completion_tokens >= 1
         with pytest.raises(ContextOverflowError) as info:
             m.chat("word " * 3500)  # < 4096 tokens, > the 3072 the NPU's prefill takes
@@ -395,8 +395,8 @@ def test_every_backend_lists_its_options(backend: str) -> None:
             check_options(backend, {"no_such_option": 1})
         hint = info.value.hint or ""
         assert all(name in hint for name in opts) if opts else "takes no engine options" in hint
-    else:  # ExLlamaV2/V3 validate with their own table (localrun.backends._exllama)
-        from localrun.backends._exllama import parse_options
+    else:  # ExLlamaV2/V3 validate with their own table (localrun.backends.exllama.options)
+        from localrun.backends.exllama.options import parse_options
 
         with pytest.raises(InvalidOptionError) as info:
             parse_options(backend, {"no_such_option": 1})

@@ -1,6 +1,6 @@
 """ExLlamaV2 / ExLlamaV3 backends.
 
-Both engines need CUDA even to import, so the pure parts (localrun/backends/_exllama.py)
+Both engines need CUDA even to import, so the pure parts (localrun/backends/exllama/)
 are tested on every host: sampler settings, templates, EOS ids, job results -> stats,
 the job driver (against a generator rebuilt from the engines' source: results, held-back
 text, failed jobs, requeues), context fitting, the KV-cache option and GPU splits; the
@@ -29,8 +29,17 @@ from typing import Any
 import pytest
 
 import localrun
-from localrun.backends import _exllama as ex
+from localrun.backends import exllamav2 as v2
+from localrun.backends import exllamav3 as v3
+from localrun.backends import hf_config as hf
 from localrun.backends.base import GenerationStats, LoadRequest, Prompt
+from localrun.backends.exllama import errors as ex_errors
+from localrun.backends.exllama import folder as ex_folder
+from localrun.backends.exllama import jobs as ex_jobs
+from localrun.backends.exllama import options as ex_options
+from localrun.backends.exllama import probe as ex_probe
+from localrun.backends.exllama import session as ex_session
+from localrun.backends.exllama import vram as ex_vram
 from localrun.errors import (
     EngineNotInstalledError,
     EngineUnavailableError,
@@ -88,7 +97,7 @@ def _sampling(**kw: Any) -> ResolvedSampling:
 
 
 def test_v2_settings_set_every_field_and_no_engine_default_leaks() -> None:
-    kw = ex.v2_sampler_settings(FALLBACK)  # temperature 0.7, every filter off
+    kw = v2.v2_sampler_settings(FALLBACK)  # temperature 0.7, every filter off
     assert set(kw) == V2_SETTINGS_FIELDS
     assert kw["temperature"] == 0.7
     assert kw["top_k"] == 0 and kw["top_p"] == 1.0 and kw["min_p"] == 0.0
@@ -100,7 +109,7 @@ def test_v2_settings_set_every_field_and_no_engine_default_leaks() -> None:
 
 
 def test_v2_settings_sampled_values_pass_through() -> None:
-    kw = ex.v2_sampler_settings(_sampling(temperature=1.3, top_p=0.9, top_k=40, min_p=0.05,
+    kw = v2.v2_sampler_settings(_sampling(temperature=1.3, top_p=0.9, top_k=40, min_p=0.05,
                                           repetition_penalty=1.1, seed=7))
     assert (kw["temperature"], kw["top_p"], kw["top_k"], kw["min_p"]) == (1.3, 0.9, 40, 0.05)
     assert kw["token_repetition_penalty"] == 1.1
@@ -108,7 +117,7 @@ def test_v2_settings_sampled_values_pass_through() -> None:
 
 
 def test_v2_settings_greedy_is_the_engines_argmax() -> None:
-    kw = ex.v2_sampler_settings(_sampling(temperature=0.0, top_p=0.5, top_k=3, min_p=0.2,
+    kw = v2.v2_sampler_settings(_sampling(temperature=0.0, top_p=0.5, top_k=3, min_p=0.2,
                                           repetition_penalty=1.2))
     # ExLlamaV2Sampler.Settings.greedy(): temperature 1, top_k 1, top_p 0
     assert (kw["temperature"], kw["top_k"], kw["top_p"], kw["min_p"]) == (1.0, 1, 0.0, 0.0)
@@ -116,14 +125,14 @@ def test_v2_settings_greedy_is_the_engines_argmax() -> None:
 
 
 def test_v3_combo_sampler_kwargs() -> None:
-    kw = ex.v3_sampler_kwargs(FALLBACK)
+    kw = v3.v3_sampler_kwargs(FALLBACK)
     assert set(kw) == V3_COMBO_PARAMS
     assert (kw["temperature"], kw["top_k"], kw["top_p"], kw["min_p"], kw["rep_p"]) == \
         (0.7, 0, 1.0, 0.0, 1.0)
-    greedy = ex.v3_sampler_kwargs(_sampling(temperature=0.0, top_k=5, repetition_penalty=1.3))
+    greedy = v3.v3_sampler_kwargs(_sampling(temperature=0.0, top_k=5, repetition_penalty=1.3))
     assert greedy["temperature"] == 0.0 and greedy["top_k"] == 0  # ComboSampler -> argmax
     assert greedy["rep_p"] == 1.3
-    sampled = ex.v3_sampler_kwargs(_sampling(temperature=0.9, top_p=0.95, top_k=20, min_p=0.1))
+    sampled = v3.v3_sampler_kwargs(_sampling(temperature=0.9, top_p=0.95, top_k=20, min_p=0.1))
     assert (sampled["temperature"], sampled["top_p"], sampled["top_k"], sampled["min_p"]) == \
         (0.9, 0.95, 20, 0.1)
     assert sampled["adaptive_target"] == 1.0  # adaptive-P off: plain sampling
@@ -144,7 +153,7 @@ def test_template_from_tokenizer_config(tmp_path: Path) -> None:
         "bos_token": {"content": "<|begin_of_text|>", "lstrip": False},  # AddedToken form
         "eos_token": "<|eot_id|>",
     }))
-    t = ex.read_chat_template(tmp_path)
+    t = hf.read_chat_template(tmp_path)
     assert t.bos_token == "<|begin_of_text|>" and t.eos_token == "<|eot_id|>"
     text = render_chat(t.template, [{"role": "user", "content": "Hi"}],
                        bos_token=t.bos_token, eos_token=t.eos_token)
@@ -158,14 +167,14 @@ def test_template_file_wins_and_named_templates(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": [{"name": "tool_use", "template": "TOOLS"},
                           {"name": "default", "template": "DEFAULT"}]}))
-    assert ex.read_chat_template(tmp_path).template == "DEFAULT"
+    assert hf.read_chat_template(tmp_path).template == "DEFAULT"
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
-    t = ex.read_chat_template(tmp_path)
+    t = hf.read_chat_template(tmp_path)
     assert render_chat(t.template, [{"role": "user", "content": "yo"}]) == "yo!"
 
 
 def test_template_absent_falls_back_to_chatml(tmp_path: Path) -> None:
-    t = ex.read_chat_template(tmp_path)
+    t = hf.read_chat_template(tmp_path)
     assert t.template is None
     assert render_chat(t.template, [{"role": "user", "content": "Hi"}]).endswith(
         "<|im_start|>assistant\n")
@@ -175,33 +184,33 @@ def test_raw_text_bos_rule(tmp_path: Path) -> None:
     llama3_post = {"type": "TemplateProcessing", "single": [
         {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
         {"Sequence": {"id": "A", "type_id": 0}}]}
-    t = ex.ChatTemplate(None, bos_token="<|begin_of_text|>")
-    assert ex.adds_bos(t, {"post_processor": llama3_post})
-    assert ex.adds_bos(t, {"post_processor": {"type": "Sequence",
-                                              "processors": [{"type": "ByteLevel"},
-                                                             llama3_post]}})
+    t = hf.ChatTemplate(None, bos_token="<|begin_of_text|>")
+    assert ex_folder.adds_bos(t, {"post_processor": llama3_post})
+    assert ex_folder.adds_bos(t, {"post_processor": {"type": "Sequence",
+                                                     "processors": [{"type": "ByteLevel"},
+                                                                    llama3_post]}})
     smollm_post = {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A"}}]}
-    assert not ex.adds_bos(t, {"post_processor": smollm_post})
-    assert not ex.adds_bos(replace(t, add_bos_token=False), {"post_processor": llama3_post})
-    assert ex.adds_bos(replace(t, add_bos_token=True), {})
+    assert not ex_folder.adds_bos(t, {"post_processor": smollm_post})
+    assert not ex_folder.adds_bos(replace(t, add_bos_token=False), {"post_processor": llama3_post})
+    assert ex_folder.adds_bos(replace(t, add_bos_token=True), {})
 
 
 def test_eos_ids_from_int_and_list_forms() -> None:
-    assert ex.stop_token_ids({"eos_token_id": 2}, {"eos_token_id": 2}, 2) == [2]
+    assert ex_folder.stop_token_ids({"eos_token_id": 2}, {"eos_token_id": 2}, 2) == [2]
     # Llama 3.1: a list in generation_config, an int in config.json
-    assert ex.stop_token_ids({"eos_token_id": [128001, 128008, 128009]},
-                             {"eos_token_id": 128001}, 128009) == [128001, 128008, 128009]
-    assert ex.stop_token_ids({}, {"text_config": {"eos_token_id": [1, 106]}}, None) == [1, 106]
-    assert ex.stop_token_ids({"eos_token_id": True}, {}, -1) == []
+    assert ex_folder.stop_token_ids({"eos_token_id": [128001, 128008, 128009]},
+                                    {"eos_token_id": 128001}, 128009) == [128001, 128008, 128009]
+    assert ex_folder.stop_token_ids({}, {"text_config": {"eos_token_id": [1, 106]}},
+                                    None) == [1, 106]
+    assert ex_folder.stop_token_ids({"eos_token_id": True}, {}, -1) == []
 
 
 def test_quant_label() -> None:
-    assert ex.quant_label({"quantization_config": {"quant_method": "exl2", "bits": 4.0}}) == \
-        "4.0bpw"
-    assert ex.quant_label({"quantization_config": {"quant_method": "exl3", "bits": 3.25}}) == \
-        "3.25bpw"
-    assert ex.quant_label({"quantization_config": {"quant_method": "gptq", "bits": 4}}) == "4bit"
-    assert ex.quant_label({}) is None
+    label = ex_folder.quant_label
+    assert label({"quantization_config": {"quant_method": "exl2", "bits": 4.0}}) == "4.0bpw"
+    assert label({"quantization_config": {"quant_method": "exl3", "bits": 3.25}}) == "3.25bpw"
+    assert label({"quantization_config": {"quant_method": "gptq", "bits": 4}}) == "4bit"
+    assert label({}) is None
 
 
 # -- job results -> stats ----------------------------------------------------------------------
@@ -234,7 +243,7 @@ def _final_result(**over: Any) -> dict[str, Any]:
 
 def test_final_result_stop_token() -> None:
     stats = GenerationStats()
-    ex.apply_final_result(_final_result(), stats)
+    ex_jobs.apply_final_result(_final_result(), stats)
     assert stats.finish_reason == "stop"
     assert stats.completion_tokens == 8  # the EOS the engine counted is not part of the reply
     assert (stats.prefill_tokens, stats.prefill_seconds) == (30, 0.0125)
@@ -243,12 +252,12 @@ def test_final_result_stop_token() -> None:
 
 def test_final_result_length_and_prefix_cache() -> None:
     stats = GenerationStats()
-    ex.apply_final_result(_final_result(eos_reason="max_new_tokens", new_tokens=16,
-                                        prompt_tokens=600, cached_tokens=512), stats)
+    ex_jobs.apply_final_result(_final_result(eos_reason="max_new_tokens", new_tokens=16,
+                                             prompt_tokens=600, cached_tokens=512), stats)
     assert stats.finish_reason == "length" and stats.completion_tokens == 16
     assert stats.prefill_tokens == 88  # 512 tokens came from the prefix cache
     stats2 = GenerationStats()
-    ex.apply_final_result(_final_result(prompt_tokens=256, cached_tokens=256), stats2)
+    ex_jobs.apply_final_result(_final_result(prompt_tokens=256, cached_tokens=256), stats2)
     assert stats2.prefill_tokens == 1
 
 
@@ -655,9 +664,9 @@ def _prompt(text: str) -> Prompt:
     return Prompt(TOK.encode(text).tolist()[0], text)
 
 
-def _make_job(prompt: Prompt, sampling: ResolvedSampling, limit: int, ident: int) -> FakeJob:
-    # What both sessions' make_job pass (exllamav2.py, exllamav3.py)
-    return FakeJob(input_ids=Ids([list(prompt.tokens)]), max_new_tokens=limit,
+def _make_job(prompt: Prompt, sampling: ResolvedSampling, ident: int) -> FakeJob:
+    # What both sessions' make_job pass (exllama/session.py)
+    return FakeJob(input_ids=Ids([list(prompt.tokens)]), max_new_tokens=sampling.max_tokens,
                    min_new_tokens=0, seed=sampling.seed, stop_conditions=[EOS],
                    decode_special_tokens=False, token_healing=False, identifier=ident)
 
@@ -667,9 +676,11 @@ def _drive(gen: FakeGenerator, prompts: Sequence[str], limits: Sequence[int] | N
            ) -> tuple[Iterator[tuple[int, str | None]], list[GenerationStats]]:
     n = len(prompts)
     stats = [GenerationStats() for _ in range(n)]
-    it = ex.run_jobs(gen, _make_job, [_prompt(p) for p in prompts], [FALLBACK] * n,
-                     list(cancels or [CancelToken() for _ in range(n)]), stats,
-                     list(limits or [100] * n), max_concurrency, gen.engine)
+    # the driver hands each sequence its limit already clamped, in sampling.max_tokens
+    samplings = [replace(FALLBACK, max_tokens=limit) for limit in limits or [100] * n]
+    it = ex_jobs.run_jobs(gen, _make_job, [_prompt(p) for p in prompts], samplings,
+                          list(cancels or [CancelToken() for _ in range(n)]), stats,
+                          max_concurrency, gen.engine)
     return it, stats
 
 
@@ -798,7 +809,7 @@ def test_driver_requeued_job_is_one_sequence(monkeypatch: pytest.MonkeyPatch) ->
     # exllamav3 requeues a job past max_rq_tokens: "requeue" on a result, then the same job
     # object (same serial) is "started" and prefilled again.
     clock = iter(range(1, 1000))
-    monkeypatch.setattr(ex, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    monkeypatch.setattr(ex_jobs, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
     gen = FakeGenerator(engine="exllamav3", script={"q": TOK.ids(*"abcdef")},
                         max_rq_tokens=2)
     it, stats = _drive(gen, ["q"])
@@ -822,7 +833,7 @@ def test_failed_job_ends_only_its_sequence(where: str) -> None:
         for event in it:
             events.append(event)
 
-    with pytest.raises(ex.EngineJobError) as e:
+    with pytest.raises(ex_errors.EngineJobError) as e:
         _within(10, consume)
     assert "ExLlamaV3" in str(e.value) and "sequence 1:" in str(e.value)
     assert f"CUDA out of memory while {where}" in str(e.value)
@@ -849,7 +860,8 @@ def test_job_the_engine_drops_is_reported_not_waited_for() -> None:
 
     gen = Dropping(engine="exllamav3", script={"ok": TOK.ids("fine")})
     it, _ = _drive(gen, ["ok", "lost"])
-    with pytest.raises(ex.EngineJobError, match="sequence 1: the job left the engine's queue"):
+    with pytest.raises(ex_errors.EngineJobError,
+                       match="sequence 1: the job left the engine's queue"):
         _within(10, lambda: list(it))
 
 
@@ -875,110 +887,128 @@ def test_v2_unreaped_failure_raises_out_of_iterate() -> None:
 # -- options, context fit, GPU split -----------------------------------------------------------
 
 def test_kv_cache_option() -> None:
-    assert ex.parse_options("exllamav2", {}).kv_cache == "fp16"
-    assert ex.parse_options("exllamav2", {"kv_cache": "Q4"}).kv_cache == "q4"
-    assert ex.parse_options("exllamav3", {"kv_cache": 8}).kv_cache == "q8"
+    assert ex_options.parse_options("exllamav2", {}).kv_cache == "fp16"
+    assert ex_options.parse_options("exllamav2", {"kv_cache": "Q4"}).kv_cache == "q4"
+    assert ex_options.parse_options("exllamav3", {"kv_cache": 8}).kv_cache == "q8"
     for bad in ("q5", "fp8", True, None, 4.5):
         with pytest.raises(InvalidOptionError) as e:
-            ex.parse_options("exllamav2", {"kv_cache": bad})
+            ex_options.parse_options("exllamav2", {"kv_cache": bad})
         assert "kv_cache" in str(e.value) and "fp16, q8, q6, q4" in str(e.value)
         assert e.value.hint
-    assert set(ex.V2_CACHE_CLASS) == set(ex.V3_CACHE_BITS) == set(ex.KV_CACHE_CHOICES)
+    assert set(v2.V2_CACHE_CLASS) == set(v3.V3_CACHE_BITS) == set(ex_options.KV_CACHE_CHOICES)
 
 
 def test_unknown_and_bad_options() -> None:
     with pytest.raises(InvalidOptionError, match="n_gpu_layers"):
-        ex.parse_options("exllamav2", {"n_gpu_layers": -1})
+        ex_options.parse_options("exllamav2", {"n_gpu_layers": -1})
     with pytest.raises(InvalidOptionError, match="tensor_parallel=1"):
-        ex.parse_options("exllamav2", {"tensor_parallel": 1})
+        ex_options.parse_options("exllamav2", {"tensor_parallel": 1})
     # ExLlamaV2 0.3.2 has tensor parallel too (model.load_tp, ExLlamaV2Cache_TP)
-    assert ex.parse_options("exllamav2", {"tensor_parallel": True}).tensor_parallel is True
-    assert "tensor_parallel" in ex.OPTIONS["exllamav2"]
+    assert ex_options.parse_options("exllamav2", {"tensor_parallel": True}).tensor_parallel is True
+    assert "tensor_parallel" in ex_options.OPTIONS["exllamav2"]
     with pytest.raises(InvalidOptionError, match="gpu_split"):
-        ex.parse_options("exllamav3", {"gpu_split": [0, 0]})
-    assert ex.parse_options("exllamav3", {"gpu_split": "20, 24"}).gpu_split == (20.0, 24.0)
+        ex_options.parse_options("exllamav3", {"gpu_split": [0, 0]})
+    assert ex_options.parse_options("exllamav3", {"gpu_split": "20, 24"}).gpu_split == (20.0, 24.0)
 
 
 SHAPE_8B = ModelShape(n_layers=32, n_kv_heads=8, head_dim=128, trained_context=131072)
 
 
+def test_kv_bytes_are_memory_pys() -> None:
+    """The loader's KV figure is the planner's (localrun.memory), at the cache's element
+    size: fractional for quantized caches, a partial byte per token rounded up."""
+    from localrun import memory
+
+    assert ModelShape(1, 1, 1).kv_bytes_per_token(0.5 + 1 / 16) == 2  # 1.125 bytes
+    for engine in ENGINES:
+        fp16 = ex_vram.kv_bytes_per_token(engine, SHAPE_8B, "fp16", 1)
+        planned = memory.estimate(0, SHAPE_8B, 8192, backend=engine).kv_cache_bytes
+        assert fp16 * 8192 == planned == 1 * GiB
+    q4 = SHAPE_8B.kv_bytes_per_token(0.5 + 1 / 16)
+    assert ex_vram.kv_bytes_per_token("exllamav3", SHAPE_8B, "q4", 2) == q4
+    # ExLlamaV2's quantized cache adds one layer's fp16 K/V per GPU to dequantize into
+    layer = 2 * 8 * 128 * 2
+    assert ex_vram.kv_bytes_per_token("exllamav2", SHAPE_8B, "q4", 2) == q4 + 2 * layer
+
+
 def test_context_defaults_and_requests_without_vram_numbers() -> None:
-    c = ex.choose_context("exllamav2", model="m", requested=None, trained=131072, weights=0,
-                          shape=SHAPE_8B, free_vram=[])
+    c = ex_vram.choose_context("exllamav2", model="m", requested=None, trained=131072, weights=0,
+                               shape=SHAPE_8B, free_vram=[])
     assert (c.context, c.cache_tokens) == (8192, 8192)
-    c = ex.choose_context("exllamav2", model="m", requested=1000, trained=2048, weights=0,
-                          shape=None, free_vram=[24 * GiB])
+    c = ex_vram.choose_context("exllamav2", model="m", requested=1000, trained=2048, weights=0,
+                               shape=None, free_vram=[24 * GiB])
     assert (c.context, c.cache_tokens) == (1000, 1024)  # cache in whole 256-token pages
-    c = ex.choose_context("exllamav3", model="m", requested=4096, trained=2000, weights=0,
-                          shape=None, free_vram=[])
+    c = ex_vram.choose_context("exllamav3", model="m", requested=4096, trained=2000, weights=0,
+                               shape=None, free_vram=[])
     assert (c.context, c.cache_tokens) == (2000, 2048)
 
 
 def test_context_shrinks_to_free_vram() -> None:
     # 8B at 4.0bpw (~5 GiB) on a 12 GB card with 6 GiB free: FP16 KV is 128 KiB per token.
     weights = 5 * GiB
-    c = ex.choose_context("exllamav2", model="m", requested=None, trained=131072,
-                          weights=weights, shape=SHAPE_8B, free_vram=[6 * GiB])
+    c = ex_vram.choose_context("exllamav2", model="m", requested=None, trained=131072,
+                               weights=weights, shape=SHAPE_8B, free_vram=[6 * GiB])
     per_token = 32 * 2 * 8 * 128 * 2
     budget = 6 * GiB - 256 * 2**20 - weights - (256 * 2**20 + int(weights * 0.05))
     assert c.context == budget // per_token // 256 * 256 == 2048
-    q4 = ex.choose_context("exllamav2", model="m", requested=None, trained=131072,
-                           weights=weights, shape=SHAPE_8B, free_vram=[6 * GiB],
-                           kv_cache="q4")
+    q4 = ex_vram.choose_context("exllamav2", model="m", requested=None, trained=131072,
+                                weights=weights, shape=SHAPE_8B, free_vram=[6 * GiB],
+                                kv_cache="q4")
     assert q4.context > 3 * c.context  # a Q4 cache holds ~3.5x the tokens
-    roomy = ex.choose_context("exllamav3", model="m", requested=None, trained=131072,
-                              weights=weights, shape=SHAPE_8B, free_vram=[20 * GiB, 20 * GiB])
+    roomy = ex_vram.choose_context("exllamav3", model="m", requested=None, trained=131072,
+                                   weights=weights, shape=SHAPE_8B, free_vram=[20 * GiB, 20 * GiB])
     assert roomy.context == 8192 and "trained" not in roomy.reason
 
 
 def test_context_refusals_say_what_fits() -> None:
     with pytest.raises(ModelTooLargeError) as e:
-        ex.choose_context("exllamav2", model="m", requested=32768, trained=131072,
-                          weights=5 * GiB, shape=SHAPE_8B, free_vram=[6 * GiB])
+        ex_vram.choose_context("exllamav2", model="m", requested=32768, trained=131072,
+                               weights=5 * GiB, shape=SHAPE_8B, free_vram=[6 * GiB])
     assert e.value.max_context == 2048 and "kv_cache='q4'" in (e.value.hint or "")
     with pytest.raises(ModelTooLargeError) as e2:
-        ex.choose_context("exllamav3", model="m", requested=None, trained=8192,
-                          weights=40 * GiB, shape=SHAPE_8B, free_vram=[24 * GiB])
+        ex_vram.choose_context("exllamav3", model="m", requested=None, trained=8192,
+                               weights=40 * GiB, shape=SHAPE_8B, free_vram=[24 * GiB])
     assert e2.value.max_context == 0 and "weights do not fit" in (e2.value.hint or "")
 
 
 def test_gpu_split_decisions() -> None:
-    opts = ex.LoadOptions()
-    assert ex.plan_split("exllamav2", 1, device=None, options=opts).mode == "autosplit"
-    two = ex.plan_split("exllamav2", 2, device=None, options=opts)
+    opts = ex_options.LoadOptions()
+    assert ex_vram.plan_split("exllamav2", 1, device=None, options=opts).mode == "autosplit"
+    two = ex_vram.plan_split("exllamav2", 2, device=None, options=opts)
     assert two.mode == "autosplit" and two.devices == (0, 1)
-    tp = ex.plan_split("exllamav3", 2, device=None, options=opts, supports_tp=True)
+    tp = ex_vram.plan_split("exllamav3", 2, device=None, options=opts, supports_tp=True)
     assert tp.mode == "tensor_parallel"
-    assert ex.plan_split("exllamav3", 2, device=None, options=opts,
-                         supports_tp=False).mode == "autosplit"
-    assert ex.plan_split("exllamav3", 2, device=None,
-                         options=ex.LoadOptions(tensor_parallel=False)).mode == "autosplit"
+    assert ex_vram.plan_split("exllamav3", 2, device=None, options=opts,
+                              supports_tp=False).mode == "autosplit"
+    no_tp = ex_options.LoadOptions(tensor_parallel=False)
+    assert ex_vram.plan_split("exllamav3", 2, device=None, options=no_tp).mode == "autosplit"
     # ExLlamaV2: tensor parallel when asked, never by default
-    tp_on = ex.LoadOptions(tensor_parallel=True)
-    v2tp = ex.plan_split("exllamav2", 2, device=None, options=tp_on)
+    tp_on = ex_options.LoadOptions(tensor_parallel=True)
+    v2tp = ex_vram.plan_split("exllamav2", 2, device=None, options=tp_on)
     assert v2tp.mode == "tensor_parallel" and v2tp.devices == (0, 1)
-    assert ex.plan_split("exllamav2", 1, device=None, options=tp_on).mode == "autosplit"
-    v2tp_split = ex.plan_split("exllamav2", 2, device=None,
-                               options=ex.LoadOptions(gpu_split=(10.0, 12.0),
-                                                      tensor_parallel=True))
+    assert ex_vram.plan_split("exllamav2", 1, device=None, options=tp_on).mode == "autosplit"
+    v2tp_split = ex_vram.plan_split("exllamav2", 2, device=None,
+                                    options=ex_options.LoadOptions(gpu_split=(10.0, 12.0),
+                                                                   tensor_parallel=True))
     assert (v2tp_split.mode, v2tp_split.gpu_split) == ("tensor_parallel", (10.0, 12.0))
     for engine in ("exllamav2", "exllamav3"):
-        for opts_tp in (tp_on, ex.LoadOptions(gpu_split=(10.0, 12.0), tensor_parallel=True)):
+        for opts_tp in (tp_on, ex_options.LoadOptions(gpu_split=(10.0, 12.0),
+                                                      tensor_parallel=True)):
             with pytest.raises(InvalidOptionError, match="no tensor-parallel support"):
-                ex.plan_split(engine, 2, device=None, options=opts_tp, supports_tp=False)
-    single = ex.plan_split("exllamav2", 3, device="cuda:2", options=opts)
+                ex_vram.plan_split(engine, 2, device=None, options=opts_tp, supports_tp=False)
+    single = ex_vram.plan_split("exllamav2", 3, device="cuda:2", options=opts)
     assert single.mode == "single" and single.devices == (2,)
     assert single.gpu_split is not None and single.gpu_split[:2] == (0.0, 0.0)
-    manual = ex.plan_split("exllamav2", 2, device=None,
-                           options=ex.LoadOptions(gpu_split=(0.0, 20.0)))
+    manual = ex_vram.plan_split("exllamav2", 2, device=None,
+                                options=ex_options.LoadOptions(gpu_split=(0.0, 20.0)))
     assert manual.mode == "manual" and manual.devices == (1,)
     with pytest.raises(InvalidOptionError, match="cuda:0 to cuda:1"):
-        ex.plan_split("exllamav2", 2, device="cuda:5", options=opts)
+        ex_vram.plan_split("exllamav2", 2, device="cuda:5", options=opts)
     with pytest.raises(InvalidOptionError):
-        ex.plan_split("exllamav2", 1, device="cpu", options=opts)
+        ex_vram.plan_split("exllamav2", 1, device="cpu", options=opts)
     with pytest.raises(EngineUnavailableError):
-        ex.plan_split("exllamav3", 0, device=None, options=opts)
-    assert ex.free_for_split([10 * GiB, 30 * GiB], manual) == [20 * GiB]
+        ex_vram.plan_split("exllamav3", 0, device=None, options=opts)
+    assert ex_vram.free_for_split([10 * GiB, 30 * GiB], manual) == [20 * GiB]
 
 
 def _v2_fill(weights_split: Sequence[float], layers: int, layer_weights: int,
@@ -1003,29 +1033,30 @@ def test_gpu_split_means_weights_and_cache_on_both_engines() -> None:
     # 32 layers: 4 GiB of weights, 2 GiB of KV cache, 100 MiB of fixed buffers per GPU
     layers, fixed = 32, 100 * 2**20
     weights, cache = 4 * GiB, 2 * GiB
-    split = ex.plan_split("exllamav2", 2, device=None,
-                          options=ex.LoadOptions(gpu_split=(4.0, 4.0)))
+    split = ex_vram.plan_split("exllamav2", 2, device=None,
+                               options=ex_options.LoadOptions(gpu_split=(4.0, 4.0)))
     given = _v2_fill(split.gpu_split or (), layers, weights // layers, cache // layers, fixed)
     assert given[0] > 5.5 * GiB  # handed over as is, GPU 0 takes 5.8 GiB of its "4"
-    converted = ex.v2_weights_split(split, weights, cache)
+    converted = v2.v2_weights_split(split, weights, cache)
     assert converted == pytest.approx([4 * 2 / 3, 4 * 2 / 3])
     used = _v2_fill(converted, layers, weights // layers, cache // layers, fixed)
     assert all(u <= 4 * GiB for u in used) and sum(used) == weights + cache + 2 * fixed
     # what localrun's context fit budgets is the same figure: min(free, gpu_split) per GPU
-    assert ex.free_for_split([24 * GiB, 24 * GiB], split) == [4 * GiB, 4 * GiB]
+    assert ex_vram.free_for_split([24 * GiB, 24 * GiB], split) == [4 * GiB, 4 * GiB]
     # the other plans go to the engine as they are
-    single = ex.plan_split("exllamav2", 2, device="cuda:1", options=ex.LoadOptions())
-    assert ex.v2_weights_split(single, weights, cache) == [0.0, 1e6]
-    assert ex.v2_weights_split(split, weights, None) == [4.0, 4.0]
+    single = ex_vram.plan_split("exllamav2", 2, device="cuda:1", options=ex_options.LoadOptions())
+    assert v2.v2_weights_split(single, weights, cache) == [0.0, 1e6]
+    assert v2.v2_weights_split(split, weights, None) == [4.0, 4.0]
 
 
 def test_import_errors_become_one_line_errors() -> None:
-    e = ex.engine_import_error("exllamav2",
-                               OSError("CUDA_HOME environment variable is not set. Please set "
-                                       "it to your CUDA install root."))
+    e = ex_errors.engine_import_error(
+        "exllamav2", OSError("CUDA_HOME environment variable is not set. Please set it to your "
+                             "CUDA install root."))
     assert isinstance(e, EngineUnavailableError) and e.hint
     assert "NVIDIA GPU with CUDA" in str(e) and "CUDA_HOME" in str(e)
-    missing = ex.engine_import_error("exllamav3", ModuleNotFoundError("No module named 'torch'"))
+    missing = ex_errors.engine_import_error("exllamav3",
+                                            ModuleNotFoundError("No module named 'torch'"))
     assert isinstance(missing, EngineNotInstalledError)
     assert "localrun[exllamav3]" in str(missing)
 
@@ -1264,20 +1295,16 @@ def _model_folder(folder: Path, arch: str = "LlamaForCausalLM", *,
 def _v2_session(monkeypatch: pytest.MonkeyPatch, folder: Path, free: list[int],
                 gen_kw: dict[str, Any] | None = None, **options: Any
                 ) -> tuple[Any, dict[str, Any]]:
-    from localrun.backends import exllamav2 as v2
-
     made = fake_exllamav2(monkeypatch, gen_kw or {})
-    monkeypatch.setattr(v2, "probe_cuda", lambda engine: list(free))
+    monkeypatch.setattr(ex_session, "probe_cuda", lambda engine: list(free))
     return v2.ExLlamaV2Session(LoadRequest(str(folder), "exl2", options=options)), made
 
 
 def _v3_session(monkeypatch: pytest.MonkeyPatch, folder: Path, free: list[int],
                 gen_kw: dict[str, Any] | None = None, **options: Any
                 ) -> tuple[Any, dict[str, Any]]:
-    from localrun.backends import exllamav3 as v3
-
     made = fake_exllamav3(monkeypatch, gen_kw or {})
-    monkeypatch.setattr(v3, "probe_cuda", lambda engine: list(free))
+    monkeypatch.setattr(ex_session, "probe_cuda", lambda engine: list(free))
     return v3.ExLlamaV3Session(LoadRequest(str(folder), "exl3", options=options)), made
 
 
@@ -1391,12 +1418,112 @@ def test_v3_failing_job_through_the_api(tmp_path: Path,
     with localrun.Model(session) as m:
         results = dict(_within(10, lambda: list(m.batch_iter(["one", "boom", "two"]))))
         assert results[0].text == "A" and results[2].text == "B"  # type: ignore[union-attr]
-        assert isinstance(results[1], ex.EngineJobError)
-        assert "sequence 1:" in str(results[1])
-        with pytest.raises(GenerationError, match="CUDA out of memory while prefill"):
+        assert isinstance(results[1], ex_errors.EngineJobError)
+        # the driver's key for this item is no business of the caller's: no number
+        assert "this sequence: RuntimeError: CUDA out of memory while prefill" in \
+            str(results[1])
+        with pytest.raises(GenerationError, match="CUDA out of memory while prefill") as e:
             _within(10, lambda: m.chat("boom"))
+        assert "this sequence:" in str(e.value)  # one call: no number
         assert m.chat("one").text == "A"  # the generator serves on
     assert made["generator"].closed
+
+
+
+# -- the session's Batcher (the driver steps it when sequences overlap) -----------------------
+
+def _run_batcher(batcher: Any, limit: int = 100_000) -> list[tuple[int, str | None]]:
+    """Step until nothing is in flight; every event, in order."""
+    events: list[tuple[int, str | None]] = []
+    for _ in range(limit):
+        step = batcher.step()
+        events += step
+        if not batcher._jobs and not step:
+            return events
+    pytest.fail("the batcher never finished")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_batcher_runs_the_drivers_keys_together(engine: str) -> None:
+    gen = FakeGenerator(engine=engine, script={"one": HELLO, "two": TOK.ids("B", "y")})
+    batcher = ex_jobs.JobBatcher(gen, _make_job, engine)
+    assert batcher.capacity == gen.max_batch_size  # the engine's own batch size
+    stats = {40: GenerationStats(), 7: GenerationStats()}
+    batcher.add(40, _prompt("one"), FALLBACK, stats[40])
+    batcher.add(7, _prompt("two"), FALLBACK, stats[7])
+    assert stats[40].started > 0 and stats[7].prefill_tokens == len("two")
+    events = _run_batcher(batcher)
+    assert [p for k, p in events if k == 40] == ["Hel", "lo", "!", None]
+    assert [p for k, p in events if k == 7] == ["B", "y", None]
+    assert gen.max_active == 2  # in the engine at once
+    assert stats[40].finish_reason == stats[7].finish_reason == "stop"
+    assert (stats[40].completion_tokens, stats[7].completion_tokens) == (3, 2)
+    assert stats[40].error is None and gen.num_remaining_jobs() == 0
+
+
+def test_batcher_cancel_failure_and_no_room_end_only_that_sequence() -> None:
+    gen = FakeGenerator(engine="exllamav3", fail={"boom": "allocate"},
+                        script={"long": TOK.ids(*"xxxxxxxxxx"), "ok": TOK.ids("A", "1")})
+    batcher = ex_jobs.JobBatcher(gen, _make_job, "exllamav3")
+    stats = {k: GenerationStats() for k in (5, 9, 11, 13)}
+    batcher.add(5, _prompt("long"), FALLBACK, stats[5])
+    batcher.add(9, _prompt("boom"), FALLBACK, stats[9])
+    batcher.add(11, _prompt("ok"), FALLBACK, stats[11])
+    batcher.add(13, _prompt("ok"), replace(FALLBACK, max_tokens=0), stats[13])  # no room
+    events: list[tuple[int, str | None]] = []
+    while not any(k == 5 and p for k, p in events):
+        events += batcher.step()
+    batcher.cancel(5)
+    batcher.cancel(5)  # twice: still one end
+    events += _run_batcher(batcher)
+    ends = [k for k, p in events if p is None]
+    assert sorted(ends) == [5, 9, 11, 13] and len(ends) == 4
+    assert [j.prompt for j in gen.cancelled] == [_prompt("long").tokens]
+    assert stats[5].finish_reason is None and stats[5].error is None
+    assert stats[13].finish_reason == "length" and gen.job_serial == 3  # never enqueued
+    error = stats[9].error
+    assert isinstance(error, ex_errors.EngineJobError) and error.hint
+    # the key is the driver's, not a number the caller knows
+    assert "this sequence: RuntimeError: CUDA out of memory while allocate" in str(error)
+    assert "9" not in str(error).split(":")[1]
+    assert isinstance(error.__cause__, RuntimeError)
+    assert "".join(p or "" for k, p in events if k == 11) == "A1"
+    assert stats[11].finish_reason == "stop" and stats[11].error is None
+    # and the batcher serves on
+    again = GenerationStats()
+    batcher.add(14, _prompt("ok"), FALLBACK, again)
+    assert [p for _, p in _run_batcher(batcher)] == ["A", "1", None]
+
+
+def test_sessions_batcher_is_kept_and_closed(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = _model_folder(tmp_path / "m", weights_gib=4)
+    session, made = _v3_session(monkeypatch, folder, [20 * GiB],
+                                gen_kw={"script": {"one": TOK.ids(*"aaaaaaaa")}})
+    batcher = session.batcher()
+    assert batcher is not None and session.batcher() is batcher
+    batcher.add(1, _prompt("one"), FALLBACK, GenerationStats())
+    batcher.step()
+    session.close()  # cancels what is in flight, then frees the engine
+    assert len(made["generator"].cancelled) == 1 and made["generator"].closed
+    assert session.batcher() is None
+    # ExLlamaV2 without paged attention runs one sequence at a time: no batcher
+    unpaged, _ = _v2_session(monkeypatch, tmp_path / "m", [20 * GiB], paged=False)
+    assert unpaged.batcher() is None
+    paged, _ = _v2_session(monkeypatch, tmp_path / "m", [20 * GiB])
+    assert paged.batcher() is not None
+
+
+def test_batch_through_the_api_runs_in_the_engine_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = _model_folder(tmp_path / "m", weights_gib=4)
+    script = {f"p{i}": TOK.ids(*[f"w{i}"] * (i + 2)) for i in range(4)}
+    session, made = _v3_session(monkeypatch, folder, [20 * GiB], gen_kw={"script": script})
+    with localrun.Model(session) as m:
+        results = _within(10, lambda: m.batch([f"p{i}" for i in range(4)], temperature=0))
+    assert [r.text for r in results] == [f"w{i}" * (i + 2) for i in range(4)]
+    assert [r.usage.completion_tokens for r in results] == [2, 3, 4, 5]
+    assert made["generator"].max_active >= 2  # batched by the engine, not one by one
 
 
 # -- this host: refuse fast, one line, no traceback --------------------------------------------
@@ -1428,7 +1555,7 @@ def test_probe_refuses_a_host_without_gpu() -> None:
     if torch is not None and torch.cuda.is_available():
         pytest.skip("torch sees a GPU that NVML does not")
     with pytest.raises(EngineUnavailableError) as e:
-        ex.probe_cuda("exllamav2", bare)
+        ex_probe.probe_cuda("exllamav2", bare)
     assert "needs an NVIDIA GPU" in str(e.value) and e.value.hint
 
 
@@ -1577,4 +1704,4 @@ def test_settings_field_list_matches_the_dataclass_when_importable() -> None:
     names = {f.name for f in fields(ExLlamaV2Sampler.Settings)}
     skipped = {"post_sampling_hooks", "ngram_trie", "ngram_index", "ngram_history"}
     assert names - skipped == V2_SETTINGS_FIELDS
-    ExLlamaV2Sampler.Settings(**ex.v2_sampler_settings(FALLBACK))
+    ExLlamaV2Sampler.Settings(**v2.v2_sampler_settings(FALLBACK))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from localrun.errors import ModelFileError
-from localrun.formats.gguf import read_gguf
+from localrun.formats.gguf import metadata_from_bytes, read_gguf
+from tests.hubserver import gguf_bytes
 
 
 def test_reads_real_model(default_gguf: Path) -> None:
@@ -55,3 +57,79 @@ def test_garbage_is_a_typed_error(tmp_path: Path, content: bytes) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ModelFileError, match="No such file"):
         read_gguf(tmp_path / "nope.gguf")
+
+
+# -- one reader for every caller (issue 12) ---------------------------------------------
+
+
+def test_tensor_table_facts(default_gguf: Path) -> None:
+    """The parameter count and the quant's group size come from the same parse."""
+    info = read_gguf(default_gguf)
+    assert info.parameters == 134_515_008  # SmolLM2-135M, as its config.json counts it
+    assert info.group_size == 32  # Q4_1 blocks
+    assert sum(info.bytes_by_type.values()) == info.tensor_bytes
+
+
+def test_metadata_from_the_head_of_a_file(default_gguf: Path) -> None:
+    """A file's first bytes (a Hub range request): EOFError until the metadata is all
+    there (a 49,152-token vocabulary included), then what read_gguf reads."""
+    with default_gguf.open("rb") as f:
+        head = f.read(4 << 20)
+    whole = read_gguf(default_gguf).metadata
+    assert metadata_from_bytes(head) == whole
+    assert "tokenizer.ggml.tokens" not in whole  # long arrays are left out
+    for cut in (4, 12, 24, 100, 5_000, 200_000, 600_000):
+        with pytest.raises(EOFError):
+            metadata_from_bytes(head[:cut])
+    with pytest.raises(ValueError, match="not a GGUF"):
+        metadata_from_bytes(b"PK\x03\x04" + head[4:100])
+    with pytest.raises(ValueError, match="unsupported GGUF version 7"):
+        metadata_from_bytes(b"GGUF\x07\x00\x00\x00" + head[8:100])
+
+
+def test_one_load_parses_the_header_once(default_gguf: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """detect, its integrity check, the catalog's identification and the engine all read
+    the header: one parse serves them while the file is unchanged."""
+    from localrun import identity
+    from localrun.formats import gguf
+    from localrun.formats.detect import detect
+
+    parses: list[str] = []
+    real = gguf._parse
+
+    def counting(*args: Any) -> gguf.GGUFInfo:
+        parses.append(str(args[0]))
+        return real(*args)
+
+    monkeypatch.setattr(gguf, "_parse", counting)
+    gguf._read_version.cache_clear()
+    found = detect(default_gguf)  # the format, then the integrity check
+    identity.names(found)
+    read_gguf(found.path)  # what llama_cpp.py does at load
+    assert parses == [str(default_gguf)]
+
+
+def test_a_file_changed_in_place_is_read_again(default_gguf: Path, tmp_path: Path) -> None:
+    """The memo is per version of the file: cut short in place, it is refused; rewritten
+    with other metadata, the new metadata is read."""
+    import os
+
+    info = read_gguf(default_gguf)
+    model = tmp_path / "sparse.gguf"
+    with default_gguf.open("rb") as src, model.open("wb") as dst:
+        dst.write(src.read(4 << 20))  # the header and the tensor table (about 1.5 MB)
+        dst.truncate(info.file_size)  # the weights: a hole of the right size
+    assert read_gguf(model).parameters == info.parameters
+    with model.open("r+b") as f:
+        f.truncate(info.file_size - 1)
+    with pytest.raises(ModelFileError, match="truncated"):
+        read_gguf(model)
+
+    small = tmp_path / "small.gguf"
+    small.write_bytes(gguf_bytes(layers=24))
+    assert read_gguf(small).n_layers == 24
+    before = small.stat().st_mtime_ns
+    small.write_bytes(gguf_bytes(layers=25))  # same size, same inode
+    os.utime(small, ns=(before + 10**6, before + 10**6))  # a write a moment later
+    assert read_gguf(small).n_layers == 25

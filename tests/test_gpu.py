@@ -106,10 +106,11 @@ def _smi_memory() -> list[dict[str, Any]]:
 
 
 def _nvml() -> list[Any]:
-    from localrun import hardware
+    from localrun.hardware.accelerators import probe_nvml
+    from localrun.hardware.system import Notes
 
-    notes = hardware._Notes()
-    gpus = hardware._probe_nvml(notes)
+    notes = Notes()
+    gpus = probe_nvml(notes)
     if gpus is None:
         pytest.skip(f"NVML does not answer here: {'; '.join(notes.items)}")
     return gpus
@@ -341,7 +342,7 @@ def test_exllama_cancel_mid_stream(exl: tuple[str, Any]) -> None:
 @pytest.mark.slow
 def test_exllama_batch_of_8_through_the_dynamic_generator(exl: tuple[str, Any]) -> None:
     engine, m = exl
-    session = m._session
+    session = m._driver.session
     gen = session.generator
     active: list[int] = []
     iterate = gen.iterate
@@ -357,7 +358,7 @@ def test_exllama_batch_of_8_through_the_dynamic_generator(exl: tuple[str, Any]) 
     assert len(results) == 8
     assert all(r.usage.completion_tokens > 0 for r in results)
     assert all(r.finish_reason in ("stop", "length") for r in results)
-    if session.supports_batch:  # paged: the generator runs them side by side
+    if session.batcher() is not None:  # paged: the generator runs them side by side
         assert max(active) >= 2, f"{engine} never ran two jobs at once: {active}"
     else:  # ExLlamaV2 without flash-attn runs unpaged, one sequence at a time
         assert max(active) == 1, active

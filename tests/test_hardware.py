@@ -135,8 +135,10 @@ def test_a_failing_probe_becomes_a_note(monkeypatch: pytest.MonkeyPatch) -> None
     def boom(notes: object) -> list[object]:
         raise RuntimeError("driver exploded")
 
-    monkeypatch.setattr(hw, "_probe_nvidia", boom)
-    monkeypatch.setattr(hw, "_probe_cpu_linux", lambda arch, notes: 1 / 0)
+    from localrun.hardware import accelerators, host
+
+    monkeypatch.setattr(accelerators, "probe_nvidia", boom)
+    monkeypatch.setattr(host, "probe_cpu_linux", lambda arch, notes: 1 / 0)
     detect_hardware.cache_clear()
     try:
         p = detect_hardware()

@@ -7,12 +7,13 @@ here touches the internet.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from localrun import hub
+from localrun import hub, memory
 from localrun.errors import (
     FormatMismatchError,
     HubNotFoundError,
@@ -22,7 +23,7 @@ from localrun.errors import (
     OfflineMissingError,
 )
 from localrun.formats.gguf import read_gguf
-from tests.hubserver import BASE, GATED_TOKEN, HubFixture, start
+from tests.hubserver import BASE, GATED_TOKEN, FakeFile, FakeRepo, HubFixture, start
 
 GiB = 2**30
 GGUF_REPO = f"{BASE}-GGUF"
@@ -168,6 +169,33 @@ def test_context_refusal_names_largest_context(fake: HubFixture) -> None:
     # Only the header was read (Range requests), no weights were downloaded.
     gets = fake.hub.resolve_requests("GET")
     assert gets and all("Range" in r["headers"] for r in gets)
+
+
+def test_unknown_trained_context_is_planned_at_the_window_engines_load(
+        fake: HubFixture) -> None:
+    """A config.json without max_position_embeddings: the engines load the model at
+    memory.context_window(None, None) tokens, and the plan's KV cache counts as many."""
+    cfg = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "hidden_size": 256, "torch_dtype": "bfloat16",
+           "quantization": {"group_size": 64, "bits": 4}}
+    fake.hub.add(FakeRepo("mlx-community/NoContext-4bit", {"main": {
+        "config.json": FakeFile(json.dumps(cfg).encode(), lfs=False),
+        "model.safetensors": FakeFile(b"\1" * 4096, lfs=True)}}, tags=["mlx"]))
+    plan = hub.plan_fetch("mlx-community/NoContext-4bit", backend="mlx",
+                          memory_budget_bytes=8 * GiB)
+    window = memory.context_window(None, None)
+    assert plan.memory.kv_known and plan.context == plan.memory.context == window
+    # 4 layers x 2 KV heads x 64 dims (256 / 4) x 2 (K, V) x 2 bytes (bf16) per token
+    assert plan.memory.kv_cache_bytes == 4 * 2 * 64 * 2 * 2 * window
+
+
+def test_a_context_past_the_trained_one_is_planned_as_the_engine_loads_it(
+        fake: HubFixture) -> None:
+    """Asked for more than the model was trained for (32768 in this header), the engines
+    load the trained context (memory.context_window): the plan counts that, not more."""
+    plan = hub.plan_fetch(f"{GGUF_REPO}:Q4_K_M", backend="llama.cpp", context=65536)
+    assert plan.context == memory.context_window(65536, 32768) == 32768
+    assert plan.memory.kv_cache_bytes == 12288 * 32768
 
 
 def test_resume_after_dropped_connection(fake: HubFixture) -> None:

@@ -43,7 +43,7 @@ GATED_FILE = "gated-1b-q4_k_m.gguf"
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[HubFixture]:
     # Retries wait RETRY_BACKOFF, 2x, 4x...: short here (Retry-After is still honoured).
-    monkeypatch.setattr(hub, "RETRY_BACKOFF", 0.05)
+    monkeypatch.setattr(hub.client, "RETRY_BACKOFF", 0.05)
     yield from start(monkeypatch, tmp_path)
 
 
@@ -167,7 +167,7 @@ def test_the_header_read_continues_where_the_first_read_stopped(
         "header-q8_0.gguf": FakeFile(_big_header_gguf(), lfs=True)}}, tags=["gguf"]))
     if ignores_range:
         fake.hub.ignore_range.add(("big/Header-GGUF", "header-q8_0.gguf"))
-    fake.monkeypatch.setattr(hub, "GGUF_HEADER_READS", (4096, 16384))
+    fake.monkeypatch.setattr(hub.fit, "GGUF_HEADER_READS", (4096, 16384))
     plan = hub.plan_fetch("big/Header-GGUF", backend="llama.cpp", context=1024)
     assert plan.memory.kv_known, plan.reasons
     # 7 layers x 3 KV heads x 64 dims (384 / 6) x 2 (K, V) x 2 bytes, from the header

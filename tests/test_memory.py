@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from localrun import memory
+from localrun.formats.gguf import metadata_from_bytes
 from localrun.memory import ModelShape
 from tests.hubserver import gguf_bytes
 
@@ -35,7 +36,7 @@ def test_smollm2_shape_read_from_the_real_gguf(default_gguf: Path) -> None:
     """The shape the formula above uses is what the embedded GGUF's header says."""
     with default_gguf.open("rb") as f:
         head = f.read(4 << 20)
-    meta = memory.gguf_metadata_from_bytes(head)
+    meta = metadata_from_bytes(head)
     assert memory.shape_from_gguf_metadata(meta) == SMOLLM2
 
 
@@ -50,10 +51,10 @@ def test_max_context() -> None:
 
 
 def test_shapes_from_gguf_and_configs() -> None:
-    meta = memory.gguf_metadata_from_bytes(gguf_bytes())
+    meta = metadata_from_bytes(gguf_bytes())
     assert memory.shape_from_gguf_metadata(meta) == QWEN
     with pytest.raises(EOFError):
-        memory.gguf_metadata_from_bytes(gguf_bytes()[:60])
+        metadata_from_bytes(gguf_bytes()[:60])
     cfg = {"num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
            "hidden_size": 896, "max_position_embeddings": 32768}
     assert memory.shape_from_config(cfg) == QWEN

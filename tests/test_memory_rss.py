@@ -39,6 +39,7 @@ import pytest
 
 from localrun import memory
 from localrun.backends import is_installed
+from localrun.formats.gguf import metadata_from_bytes
 from tests.models import test_model
 
 pytestmark = pytest.mark.slow
@@ -130,7 +131,7 @@ def _fixture(backend: str) -> Path:
 def _shape(path: Path) -> memory.ModelShape:
     if path.is_file():
         with path.open("rb") as f:
-            shape = memory.shape_from_gguf_metadata(memory.gguf_metadata_from_bytes(
+            shape = memory.shape_from_gguf_metadata(metadata_from_bytes(
                 f.read(8 << 20)))
     else:
         name = "genai_config.json" if (path / "genai_config.json").is_file() else "config.json"

@@ -7,8 +7,10 @@ serving the SmolLM2 GGUF fixture, so the answer there comes from a real model.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +23,7 @@ from localrun.errors import (
     RemoteAuthError,
     RemoteError,
     RemoteModelNotFoundError,
+    TokenCountUnavailableError,
 )
 from tests.fake_openai import FakeOpenAI
 
@@ -161,25 +164,33 @@ def test_server_context_overflow_is_context_overflow_error(fake: FakeOpenAI) -> 
         assert fake.requests[-1]["max_tokens"] == 4
 
 
+def cancel_after(stream: localrun.Stream, n: int) -> list[localrun.Chunk]:
+    """The chunks of ``stream``, cancelled once ``n`` have come."""
+    got = []
+    for ch in stream:
+        got.append(ch)
+        if len(got) == n:
+            stream.cancel()
+    return got
+
+
+def disconnects(server: FakeOpenAI, within: float = 10.0) -> int:
+    """The clients the server saw go, once it has seen one (or ``within`` seconds)."""
+    deadline = time.monotonic() + within
+    while not server.disconnects and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server.disconnects
+
+
 def test_cancel_closes_the_connection() -> None:
     server = FakeOpenAI([MODEL], max_model_len=4096, token_delay=0.05).start()
     try:
         with load(server) as m:
-            stream = m.stream([{"role": "user", "content": "w " * 200}], temperature=0,
-                              max_tokens=200)
-            got = []
-            for ch in stream:
-                got.append(ch)
-                if len(got) == 3:
-                    stream.cancel()
+            got = cancel_after(m.stream([{"role": "user", "content": "w " * 200}],
+                                        temperature=0, max_tokens=200), 3)
             assert got[-1].finish_reason == "cancelled"
             assert len(got) < 10
-        deadline = threading.Event()
-        for _ in range(40):
-            if server.disconnects:
-                break
-            deadline.wait(0.1)
-        assert server.disconnects == 1  # the server saw the client go, and stops
+        assert disconnects(server) == 1  # the server saw the client go, and stops
     finally:
         server.stop()
 
@@ -218,12 +229,27 @@ def test_against_localrun_serve() -> None:
                           "required": ["city"], "additionalProperties": False}
                 js = m.chat(msgs, temperature=0, max_tokens=40, schema=schema)
                 assert isinstance(js.parsed, dict) and set(js.parsed) == {"city"}
+                # tools: the server's own support (localrun serve constrains a forced
+                # call); its streamed deltas become ToolCallDelta, the calls ToolCall
+                tools = [{"type": "function", "function": {
+                    "name": "capital", "description": "The capital of a country",
+                    "parameters": {"type": "object", "properties": {
+                        "country": {"type": "string"}}, "required": ["country"]}}}]
+                tc = list(m.stream(msgs, tools=tools, tool_choice="capital", temperature=0,
+                                   max_tokens=40))
+                want_tc = local.chat(msgs, tools=tools, tool_choice="capital", temperature=0,
+                                     max_tokens=40)
+                with pytest.raises(TokenCountUnavailableError):
+                    m.count_tokens("Paris")  # localrun serve has no /tokenize
             with pytest.raises(RemoteModelNotFoundError):
                 localrun.load("nope", backend="remote", base_url=srv.url).chat(msgs)
     assert c.text == want.text and c.usage == want.usage and c.finish_reason == "length"
     assert chunks[-1].usage == want.usage.__class__(want.usage.prompt_tokens,
                                                      chunks[-1].usage.completion_tokens)
     assert "".join(ch.text for ch in chunks) == want.text.split("Paris")[0]
+    deltas = [d for ch in tc for d in ch.tool_calls]
+    assert deltas[0].name == "capital" and tc[-1].finish_reason == "tool_calls"
+    assert "".join(d.arguments for d in deltas) == want_tc.tool_calls[0].arguments
 
 
 def test_cli_run_with_base_url(fake: FakeOpenAI) -> None:
@@ -270,3 +296,200 @@ def test_batch_runs_as_concurrent_requests() -> None:
         assert 2 <= server.most_active <= 8
     finally:
         server.stop()
+
+
+# -- concurrency and cancellation (Session.batcher: one request per sequence) -------------
+
+
+def _collect(m: localrun.Model, words: str, out: list[str], i: int) -> None:
+    out[i] = "".join(ch.text for ch in m.stream([{"role": "user", "content": words}],
+                                                temperature=0, max_tokens=64))
+
+
+def test_streams_from_several_threads_run_at_once() -> None:
+    """Model.stream() from six threads: six requests in flight together (the driver's
+    scheduler sends them through the session's batcher), not one after another."""
+    server = FakeOpenAI([MODEL], max_model_len=256, token_delay=0.05).start()
+    try:
+        with load(server) as m:
+            out = [""] * 6
+            words = [" ".join(f"w{i}x{j}" for j in range(16)) for i in range(6)]
+            threads = [threading.Thread(target=_collect, args=(m, words[i], out, i))
+                       for i in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        assert out == words
+        assert server.most_active >= 4  # one at a time would be 1
+    finally:
+        server.stop()
+
+
+def test_cancelling_one_stream_leaves_the_others() -> None:
+    server = FakeOpenAI([MODEL], max_model_len=256, token_delay=0.05).start()
+    try:
+        with load(server) as m:
+            out = [""] * 3
+            words = " ".join(f"v{j}" for j in range(12))
+            threads = [threading.Thread(target=_collect, args=(m, words, out, i))
+                       for i in range(3)]
+            for t in threads:
+                t.start()
+            got = cancel_after(m.stream([{"role": "user", "content": "c " * 100}],
+                                        temperature=0, max_tokens=100), 2)
+            for t in threads:
+                t.join(60)
+        assert got[-1].finish_reason == "cancelled" and len(got) < 10
+        assert out == [words] * 3
+        assert disconnects(server) == 1
+    finally:
+        server.stop()
+
+
+def test_cancel_shuts_a_waiting_request_down() -> None:
+    """A request the server holds (queued behind others: no event for 20 s): cancelling
+    it ends the stream at once, and the server sees the connection close then, not when
+    it would next have written."""
+    server = FakeOpenAI([MODEL], max_model_len=256, first_delay=20).start()
+    try:
+        with load(server) as m:
+            stream = m.stream([{"role": "user", "content": "a b c"}], temperature=0)
+            threading.Timer(0.5, stream.cancel).start()
+            t0 = time.monotonic()
+            chunks = list(stream)
+            assert chunks[-1].finish_reason == "cancelled"
+            assert time.monotonic() - t0 < 5
+            assert disconnects(server, within=5) == 1
+            server.first_delay = 0  # the Model stays usable
+            assert m.chat([{"role": "user", "content": "ok then"}], temperature=0).text == \
+                "ok then"
+    finally:
+        server.stop()
+
+
+# -- tools: the server's own tool support ---------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {
+    "name": name, "description": f"{name} of a place",
+    "parameters": {"type": "object", "properties": {"q": {"type": "string"}},
+                   "required": ["q"]}}} for name in ("weather", "time")]
+
+
+def test_tool_calls_stream_back_as_tool_call_deltas(fake: FakeOpenAI) -> None:
+    """tools/tool_choice go to the server as OpenAI's fields; its streamed tool-call
+    deltas come back as ToolCallDelta (argument fragments as they came) and the whole
+    calls as Completion.tool_calls."""
+    msgs = [{"role": "user", "content": "weather and time in Oslo"}]
+    with load(fake) as m:
+        chunks = list(m.stream(msgs, tools=TOOLS, temperature=0))
+        body = fake.requests[-1]
+        # strict: the server constrains the arguments to the schema, as localrun does
+        assert body["tools"] == [{"type": "function", "function": {**t["function"],
+                                                                   "strict": True}}
+                                 for t in TOOLS]
+        assert body["tool_choice"] == "auto"
+        assert "response_format" not in body
+        deltas = [d for ch in chunks for d in ch.tool_calls]
+        assert [(d.index, d.name) for d in deltas if d.name] == [(0, "weather"), (1, "time")]
+        for i in (0, 1):
+            assert "".join(d.arguments for d in deltas if d.index == i) == '{"q": "Oslo"}'
+        assert len([d for d in deltas if d.index == 0]) > 2  # fragments, not one piece
+        assert "".join(ch.text for ch in chunks).strip() == "Checking."
+        assert chunks[-1].finish_reason == "tool_calls"
+        c = m.chat(msgs, tools=TOOLS, temperature=0)
+        assert [(t.name, t.parsed) for t in c.tool_calls] == [("weather", {"q": "Oslo"}),
+                                                             ("time", {"q": "Oslo"})]
+        assert c.text == "Checking." and c.finish_reason == "tool_calls"
+
+
+def test_forced_tool_choice_goes_as_the_servers(fake: FakeOpenAI) -> None:
+    msgs = [{"role": "user", "content": "anything at all"}]
+    with load(fake) as m:
+        c = m.chat(msgs, tools=TOOLS, tool_choice="time", temperature=0)
+        assert fake.requests[-1]["tool_choice"] == {"type": "function",
+                                                    "function": {"name": "time"}}
+        assert [(t.name, t.parsed) for t in c.tool_calls] == [("time", {"q": "all"})]
+        c = m.chat(msgs, tools=TOOLS, tool_choice="required", temperature=0)
+        assert fake.requests[-1]["tool_choice"] == "required"
+        assert [t.name for t in c.tool_calls] == ["weather"]
+        # "none": no tools sent, a plain reply
+        c = m.chat(msgs, tools=TOOLS, tool_choice="none", temperature=0)
+        assert "tools" not in fake.requests[-1] and c.text == "anything at all"
+
+
+def test_tool_turns_go_back_in_openais_shape(fake: FakeOpenAI) -> None:
+    with load(fake) as m:
+        first = m.chat([{"role": "user", "content": "weather in Rome"}], tools=TOOLS,
+                       temperature=0)
+        call = first.tool_calls[0]
+        msgs = [{"role": "user", "content": "weather in Rome"},
+                {"role": "assistant", "content": None, "tool_calls": [call.to_dict()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+                {"role": "user", "content": "thanks"}]
+        c = m.chat(msgs, tools=TOOLS, temperature=0)
+    sent = fake.requests[-1]["messages"]
+    assert sent[1]["tool_calls"] == [{"id": call.id, "type": "function", "function": {
+        "name": "weather", "arguments": '{"q": "Rome"}'}}]
+    assert sent[2]["role"] == "tool" and sent[2]["tool_call_id"] == call.id
+    assert sent[2]["content"] == "sunny" and c.text == "Checking." and not c.tool_calls
+
+
+def test_auto_tools_on_a_server_without_a_parser_says_how() -> None:
+    server = FakeOpenAI([MODEL], auto_tools=False).start()
+    try:
+        with load(server) as m:
+            with pytest.raises(RemoteError) as e:
+                m.chat([{"role": "user", "content": "weather"}], tools=TOOLS)
+            assert e.value.status == 400 and "--tool-call-parser" in str(e.value.hint)
+            c = m.chat([{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="weather")
+            assert c.tool_calls[0].name == "weather"
+    finally:
+        server.stop()
+
+
+def test_count_tokens_asks_the_servers_tokenizer() -> None:
+    server = FakeOpenAI([MODEL]).start()
+    bare = FakeOpenAI([MODEL], tokenize=False).start()
+    try:
+        with load(server) as m:
+            assert m.count_tokens("one two three four") == 4
+            assert server.requests[-1] == {"model": MODEL, "prompt": "one two three four"}
+        with load(bare) as m, pytest.raises(TokenCountUnavailableError) as e:
+            m.count_tokens("one two")
+        assert e.value.status == 404 and "/tokenize" in str(e.value)
+        assert e.value.hint is not None and "count_tokens" in e.value.hint
+    finally:
+        server.stop()
+        bare.stop()
+
+
+def test_localrun_serve_in_front_of_a_remote_runs_requests_together() -> None:
+    """`localrun serve --parallel 4` serving a `remote` Model: the requests it admits
+    together reach the server behind it together (the session's batcher, whose capacity
+    is Model.max_concurrency), not in turn."""
+    serverutil = pytest.importorskip("tests.serverutil")
+    from localrun.server.config import ServerConfig
+
+    upstream = FakeOpenAI([MODEL], max_model_len=256, token_delay=0.05).start()
+    try:
+        words = [" ".join(f"s{i}y{j}" for j in range(12)) for i in range(4)]
+        out: list[str] = [""] * 4
+        with load(upstream) as m, \
+                serverutil.serve(ServerConfig(parallel=4), preload={"up": m}) as srv:
+
+            def ask(i: int) -> None:
+                _, _, body = serverutil.request("POST", srv.v1 + "/chat/completions", {
+                    "model": "up", "temperature": 0,
+                    "messages": [{"role": "user", "content": words[i]}]})
+                out[i] = json.loads(body)["choices"][0]["message"]["content"]
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        assert out == words
+        assert upstream.most_active >= 3
+    finally:
+        upstream.stop()

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.conftest import requires_llama
-from tests.serverutil import Running, one_thread_model, request, serve
+from tests.serverutil import MODEL, Running, request, serve, server_fixtures
 
 ollama = pytest.importorskip("ollama", reason="the ollama client is not installed "
                              "(pip install -e '.[dev]')")
@@ -18,19 +17,10 @@ from localrun import __version__  # noqa: E402
 from localrun.server.config import ServerConfig  # noqa: E402
 
 pytestmark = [requires_llama, pytest.mark.slow]
-MODEL = "smollm2:135m"
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server_model() -> Iterator[Any]:
-    yield from one_thread_model()
-
-
-@pytest.fixture(scope="module")
-def srv(server_model: Any) -> Iterator[Running]:
-    with serve(ServerConfig(), preload={MODEL: server_model}) as s:
-        yield s
+server_model, srv = server_fixtures(ServerConfig())
 
 
 @pytest.fixture(scope="module")

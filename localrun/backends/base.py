@@ -2,8 +2,10 @@
 
 A backend turns a model on disk into a :class:`Session`. A session only has to
 encode prompts and stream text pieces; everything the public API promises beyond
-that (stop strings, usage in streams, timings, thread safety, cancellation between
-tokens, sampling defaults) is built once in :mod:`localrun.api`.
+that (sampling defaults, the token limit and the seed, stop strings, usage in
+streams, timings, thread safety, cancellation between tokens) is built once in
+:mod:`localrun.driver`. An engine that runs many sequences at once also gives a
+:class:`Batcher` (``Session.batcher()``), which the driver's scheduler steps.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from localrun.errors import LocalrunError
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
 from localrun.types import CancelToken, FinishReason, Message, ModelInfo
@@ -47,10 +50,50 @@ class GenerationStats:
     decode_seconds: float = 0.0
     #: perf_counter() when the engine admitted this sequence (batching); 0: the call's start
     started: float = 0.0
+    #: set by a Batcher before it ends ONE sequence with ``(key, None)`` because the engine
+    #: failed that sequence alone (the others go on); the driver raises it for that one
+    error: LocalrunError | None = None
+
+
+class Batcher(ABC):
+    """Many sequences through one engine at once; they join and leave between steps.
+
+    Always driven from ONE thread (the driver's scheduler thread); never concurrently,
+    and never while the session's own :meth:`Session.generate` runs."""
+
+    #: most sequences the engine wants in flight at once (the scheduler admits no more)
+    capacity: int
+
+    @abstractmethod
+    def add(self, key: int, prompt: Prompt, sampling: ResolvedSampling,
+            stats: GenerationStats) -> None:
+        """Admit one sequence now. ``sampling.max_tokens`` is already clamped to the
+        context and ``sampling.seed`` is an int; ``sampling.constraint`` (if set) must be
+        enforced. Sets ``stats.started = time.perf_counter()`` and ``stats.prefill_tokens``.
+        May raise a LocalrunError for THIS sequence only (e.g. a schema the engine
+        refuses); the batcher stays usable for the others."""
+
+    @abstractmethod
+    def cancel(self, key: int) -> None:
+        """Stop this sequence now (a stop string matched, the caller cancelled or went
+        away). Its KV cells/slot are freed; :meth:`step` will report ``(key, None)``."""
+
+    @abstractmethod
+    def step(self) -> list[tuple[int, str | None]]:
+        """Run one engine step over every sequence in flight (prefill of new ones, one
+        decode token for the others). Return the new text pieces as ``(key, piece)``, one
+        per generated token (a piece may be ""), and ``(key, None)`` once a sequence has
+        finished, after setting ``stats.finish_reason`` ("stop" at end-of-sequence,
+        "length" at max_tokens) and keeping ``stats.completion_tokens`` and the decode
+        figures current. A cancelled sequence ends with ``(key, None)`` too; one the
+        engine failed alone ends so with ``stats.error`` set. Keys are add()'s."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free what the batcher holds (idempotent). Sequences still in flight end."""
 
 
 class Session(ABC):
-    """One loaded model. Never called from two threads at once (the API serializes)."""
+    """One loaded model. Never called from two threads at once (the driver serializes)."""
 
     info: ModelInfo
     #: the model's own sampling defaults (generation_config.json / GGUF metadata)
@@ -63,6 +106,11 @@ class Session(ABC):
     @abstractmethod
     def encode_text(self, text: str) -> Prompt:
         """Tokenize raw text as a completion prompt (no chat template)."""
+
+    def count_tokens(self, text: str) -> int:
+        """``Model.count_tokens``: the tokens of ``text`` as a completion prompt (an
+        engine whose tokenizer is on a server asks the server)."""
+        return len(self.encode_text(text).tokens)
 
     @abstractmethod
     def generate(
@@ -77,13 +125,25 @@ class Session(ABC):
         A ``sampling.constraint`` (only ever set after :meth:`check_constraint` passed)
         must be enforced on every token.
 
+        ``sampling.max_tokens`` arrives already clamped to what the context leaves after
+        the prompt, and ``sampling.seed`` is always an int (the driver draws one when the
+        caller gave none): use both as they are.
+
         Must stop at end-of-sequence (finish_reason "stop") or after
-        ``sampling.max_tokens`` / at the context's end ("length"), keep ``stats``
-        current as it goes, and clean up when closed early.
+        ``sampling.max_tokens`` ("length"), keep ``stats`` current as it goes, and clean
+        up when closed early.
         """
 
-    #: True when :meth:`generate_batch` runs several sequences at once in the engine
-    supports_batch: bool = False
+    def batcher(self) -> Batcher | None:
+        """This session's engine batcher, created on first use and kept; None: the engine
+        runs one sequence at a time (the driver then queues). Closing the session closes
+        it too."""
+        return None
+
+    #: True when one sequence alone runs as fast through the batcher as through
+    #: generate(): the scheduler then sends every sequence through it. False: a lone
+    #: sequence (nothing else in flight or waiting) runs through generate().
+    batch_alone: bool = False
 
     # -- structured output and tools (localrun.structured) ---------------------------------
     #: the model's own chat template source, and the BOS/EOS texts it renders with: the API
@@ -105,24 +165,6 @@ class Session(ABC):
 
         raise ConstrainedDecodingUnavailableError(
             self.info.backend, "localrun has no constrained decoding for this engine")
-
-    def generate_batch(
-        self,
-        prompts: Sequence[Prompt],
-        samplings: Sequence[ResolvedSampling],
-        cancels: Sequence[CancelToken],
-        stats: Sequence[GenerationStats],
-        max_concurrency: int | None,
-    ) -> Iterator[tuple[int, str | None]]:
-        """Optional: generate several sequences at once (only when ``supports_batch``).
-
-        Yields ``(index, piece)`` as in :meth:`generate` for each sequence, then
-        ``(index, None)`` once that sequence has finished. ``cancels[i]`` set means
-        "stop sequence i now" (a stop string matched, or the whole batch was
-        cancelled); ``stats[i]`` is kept current like ``generate``'s; at most
-        ``max_concurrency`` sequences are in flight (None: the engine decides).
-        """
-        raise NotImplementedError(f"{type(self).__name__} does not batch")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the engine's memory. Idempotent."""

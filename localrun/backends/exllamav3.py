@@ -14,65 +14,72 @@ batching and cancellation (``generator.cancel(job)``).
 As with ExLlamaV2, localrun renders the chat template, passes every EOS id as
 ``stop_conditions`` and builds a ``ComboSampler`` with every step set
 (a job without a sampler would get ``DefaultSampler``: min_p 0.08, temperature 0.8).
+What both ExLlamas share lives in :mod:`localrun.backends.exllama`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Sequence
-from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from localrun.backends import engine_version
-from localrun.backends._exllama import (
-    PAGE_SIZE,
-    V3_CACHE_BITS,
-    ExLlamaSession,
-    adds_bos,
-    choose_context,
-    engine_import_error,
-    free_for_split,
-    load_failure,
-    model_name,
-    parse_options,
-    plan_split,
-    probe_cuda,
-    quant_label,
-    read_chat_template,
-    read_model_json,
-    stop_token_ids,
-    v3_sampler_kwargs,
-    weights_bytes,
-)
-from localrun.backends.base import LoadRequest, Prompt, Session
-from localrun.backends.hf_config import architecture, sampling_defaults, trained_context
-from localrun.errors import LocalrunError, ModelFileError
-from localrun.memory import shape_from_config
+from localrun.backends.exllama.errors import engine_import_error
+from localrun.backends.exllama.options import KVCache
+from localrun.backends.exllama.session import ExLlamaBackend, ExLlamaSession, LoadInputs
+from localrun.backends.exllama.vram import PAGE_SIZE, ContextChoice
 from localrun.sampling import ResolvedSampling
 from localrun.structured.engines import exllamav3_filter
-from localrun.templates import render_chat
-from localrun.types import Message, ModelInfo
 
 ENGINE = "exllamav3"
 
 #: Prompt tokens per prefill pass (the engine's default), at most the cache size.
 MAX_CHUNK = 2048
 
+#: ``Cache(layer_type=CacheLayer_quant, k_bits=, v_bits=)`` per ``kv_cache`` choice;
+#: None: CacheLayer_fp16.
+V3_CACHE_BITS: dict[KVCache, int | None] = {"fp16": None, "q8": 8, "q6": 6, "q4": 4}
+
+#: ``exllamav3.ComboSampler`` arguments that are "off" (generator/sampler/presets.py).
+V3_NEUTRAL: dict[str, Any] = {
+    "rep_p": 1.0,
+    "freq_p": 0.0,
+    "pres_p": 0.0,
+    "rep_sustain_range": int(10e7),  # the whole sequence
+    "rep_decay_range": 0,
+    "dry_multiplier": 0.0,
+    "dry_base": 1.75,
+    "dry_allowed_length": 2,
+    "dry_range": 0,
+    "dry_sequence_breakers": None,
+    "temperature": 1.0,
+    "min_p": 0.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "temp_last": False,
+    "adaptive_target": 1.0,
+    "adaptive_decay": 0.9,
+    "logit_bias": None,
+}
+
+
+def v3_sampler_kwargs(s: ResolvedSampling) -> dict[str, Any]:
+    """Keyword arguments for ``exllamav3.ComboSampler(**kw)`` (a job without a sampler
+    gets DefaultSampler: min_p 0.08, temperature 0.8)."""
+    kw = dict(V3_NEUTRAL)
+    kw["rep_p"] = s.repetition_penalty
+    if s.greedy:
+        kw.update(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)  # ComboSampler: argmax
+    else:
+        kw.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+    return kw
+
 
 class ExLlamaV3Session(ExLlamaSession):
-    def __init__(self, request: LoadRequest) -> None:
-        folder = Path(request.path).expanduser()
-        if not folder.is_dir():
-            raise ModelFileError(str(folder), "EXL3 models are folders (config.json and "
-                                 "*.safetensors), not single files" if folder.exists()
-                                 else "no such folder")
-        options = parse_options(ENGINE, request.options)
-        config, gen_config, tokenizer_json = read_model_json(folder)
-        template = read_chat_template(folder)
-        shape = shape_from_config(config)
-        trained = trained_context(config)
-        free = probe_cuda(ENGINE)  # EngineUnavailableError on hosts without a GPU
+    engine = ENGINE
+    format_title = "EXL3"
+
+    def _import_engine(self) -> Any:
         try:
             torch: Any = importlib.import_module("torch")
             from exllamav3 import (
@@ -88,105 +95,47 @@ class ExLlamaV3Session(ExLlamaSession):
             )
         except (ImportError, OSError, RuntimeError) as e:
             raise engine_import_error(ENGINE, e) from e
-        self._torch = torch
+        self._ex = SimpleNamespace(Cache=Cache, CacheLayer_fp16=CacheLayer_fp16,
+                                   CacheLayer_quant=CacheLayer_quant, Config=Config,
+                                   Generator=Generator, Model=Model, Tokenizer=Tokenizer)
         self._job_cls = Job
         self._sampler_cls = ComboSampler
-        self._model: Any = None
-        try:
-            cfg = Config.from_directory(str(folder))
-            model = Model.from_config(cfg)
-            self._model = model
-            supports_tp = bool(getattr(model, "caps", {}).get("supports_tp"))
-            split = plan_split(ENGINE, len(free), device=request.device, options=options,
-                               supports_tp=supports_tp)
-            choice = choose_context(ENGINE, model=str(folder), requested=request.context,
-                                    trained=trained, weights=weights_bytes(folder),
-                                    shape=shape, free_vram=free_for_split(free, split),
-                                    kv_cache=options.kv_cache)
-            bits = V3_CACHE_BITS[options.kv_cache]
-            cache_kw: dict[str, Any] = {"layer_type": CacheLayer_fp16} if bits is None else \
-                {"layer_type": CacheLayer_quant, "k_bits": bits, "v_bits": bits}
-            # Made before load() so the split leaves room for it on each device.
-            cache = Cache(model, max_num_tokens=choice.cache_tokens, **cache_kw)
-            chunk = max(min(MAX_CHUNK, choice.cache_tokens) // PAGE_SIZE * PAGE_SIZE, PAGE_SIZE)
-            load_kw: dict[str, Any] = {"progressbar": False, "max_chunk_size": chunk}
-            if split.mode == "single":
-                load_kw["device"] = f"cuda:{split.devices[0]}"
-            elif split.mode == "manual":
-                assert split.gpu_split is not None
-                load_kw["use_per_device"] = list(split.gpu_split)
-            elif split.mode == "tensor_parallel":
-                load_kw["tensor_p"] = True
-                if split.gpu_split is not None:
-                    load_kw["use_per_device"] = list(split.gpu_split)
-            model.load(**load_kw)
-            tokenizer = Tokenizer.from_config(cfg)
-            self.generator = Generator(model=model, cache=cache, tokenizer=tokenizer,
-                                       max_chunk_size=chunk)
-        except LocalrunError:  # InvalidOptionError is a ValueError: not a load failure
-            self.close()
-            raise
-        except (AssertionError, ValueError, KeyError, OSError, RuntimeError,
-                NotImplementedError) as e:
-            self.close()
-            raise load_failure(ENGINE, str(folder), e) from e
+        return torch
+
+    def _load(self, inputs: LoadInputs) -> tuple[Any, ContextChoice]:
+        ex = self._ex
+        cfg = ex.Config.from_directory(str(inputs.folder))
+        model = ex.Model.from_config(cfg)
+        self._model = model
+        supports_tp = bool(getattr(model, "caps", {}).get("supports_tp"))
+        split, choice = inputs.fit(ENGINE, supports_tp=supports_tp)
+        bits = V3_CACHE_BITS[inputs.options.kv_cache]
+        cache_kw: dict[str, Any] = {"layer_type": ex.CacheLayer_fp16} if bits is None else \
+            {"layer_type": ex.CacheLayer_quant, "k_bits": bits, "v_bits": bits}
+        # Made before load() so the split leaves room for it on each device.
+        cache = ex.Cache(model, max_num_tokens=choice.cache_tokens, **cache_kw)
         self._cache = cache
-        self._tokenizer = tokenizer
-        self.context = choice.context
-        self.supports_batch = True
+        chunk = max(min(MAX_CHUNK, choice.cache_tokens) // PAGE_SIZE * PAGE_SIZE, PAGE_SIZE)
+        load_kw: dict[str, Any] = {"progressbar": False, "max_chunk_size": chunk}
+        if split.mode == "single":
+            load_kw["device"] = f"cuda:{split.devices[0]}"
+        elif split.mode == "manual":
+            assert split.gpu_split is not None
+            load_kw["use_per_device"] = list(split.gpu_split)
+        elif split.mode == "tensor_parallel":
+            load_kw["tensor_p"] = True
+            if split.gpu_split is not None:
+                load_kw["use_per_device"] = list(split.gpu_split)
+        model.load(**load_kw)
+        tokenizer = ex.Tokenizer.from_config(cfg)
+        self.generator = ex.Generator(model=model, cache=cache, tokenizer=tokenizer,
+                                      max_chunk_size=chunk)
+        self._batching = True
         self.split = split
-        self.kv_cache = options.kv_cache
-        self._template = template
-        self._bos = template.bos_token or (getattr(tokenizer, "bos_token", None) or "")
-        self._eos_text = template.eos_token or (getattr(tokenizer, "eos_token", None) or "")
-        self._add_bos = adds_bos(template, tokenizer_json)
-        self._stop = stop_token_ids(gen_config, config, getattr(tokenizer, "eos_token_id", None))
-        self.sampling_defaults = sampling_defaults(gen_config)
-        self.info = ModelInfo(
-            backend=ENGINE,
-            engine_version=engine_version(ENGINE) or "unknown",
-            format=request.format,
-            quantization=quant_label(config),
-            path=str(folder),
-            context_length=choice.context,
-            trained_context_length=trained,
-            architecture=architecture(config),
-            name=model_name(config, folder),
-        )
-        self._structured_setup(folder, template, self._bos, self._eos_text, self._stop,
-                               config.get("vocab_size"))
+        return tokenizer, choice
 
-    # -- encoding ---------------------------------------------------------------------
-
-    def _encode(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
-        ids = self._tokenizer.encode(text, add_bos=add_bos, encode_special_tokens=special)
-        return [int(t) for t in ids[0].tolist()]
-
-    def encode_chat(self, messages: Sequence[Message]) -> Prompt:
-        text = render_chat(self._template.template, messages, bos_token=self._bos,
-                           eos_token=self._eos_text)
-        return Prompt(self._encode(text, add_bos=False, special=True), text)
-
-    def encode_text(self, text: str) -> Prompt:
-        return Prompt(self._encode(text, add_bos=self._add_bos, special=False), text)
-
-    # -- generation -------------------------------------------------------------------
-
-    def make_job(self, prompt: Prompt, sampling: ResolvedSampling, limit: int,
-                 identifier: int) -> Any:
-        ids = self._torch.tensor([list(prompt.tokens)], dtype=self._torch.long)
-        return self._job_cls(
-            input_ids=ids,
-            max_new_tokens=limit,
-            min_new_tokens=0,
-            sampler=self._sampler_cls(**v3_sampler_kwargs(sampling)),
-            seed=sampling.seed,
-            stop_conditions=list(self._stop),
-            decode_special_tokens=False,
-            token_healing=False,
-            identifier=identifier,
-            **self._filters(sampling),
-        )
+    def _sampler(self, sampling: ResolvedSampling) -> dict[str, Any]:
+        return {"sampler": self._sampler_cls(**v3_sampler_kwargs(sampling))}
 
     def _filters(self, sampling: ResolvedSampling) -> dict[str, Any]:
         """exllamav3's LLGuidanceFilter for a constrained request (``filters=``)."""
@@ -195,36 +144,14 @@ class ExLlamaV3Session(ExLlamaSession):
         grammar = self._grammar.compiler().grammar(sampling.constraint)
         return {"filters": [exllamav3_filter(self._tokenizer, grammar)]}
 
-    def close(self) -> None:
-        gen = getattr(self, "generator", None)
-        if gen is not None:
+    def _close_generator(self, generator: Any) -> None:
+        # Generator.close() frees what the model and cache do not: the recurrent-state
+        # cache (up to 4 GiB of RAM by default), the CPU page cache, pinned staging
+        # buffers and the filter thread pool. Older releases have no close().
+        close = getattr(generator, "close", None)
+        if close is not None:
             with contextlib.suppress(Exception):
-                gen.clear_queue()
-            # Generator.close() frees what the model and cache do not: the recurrent-state
-            # cache (up to 4 GiB of RAM by default), the CPU page cache, pinned staging
-            # buffers and the filter thread pool. Older releases have no close().
-            close = getattr(gen, "close", None)
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    close()
-        self.generator = None
-        model = getattr(self, "_model", None)
-        if model is not None:
-            with contextlib.suppress(Exception):
-                model.unload()
-            self._model = None
-            self._cache = None
-            torch = getattr(self, "_torch", None)
-            if torch is not None:
-                with contextlib.suppress(Exception):
-                    torch.cuda.empty_cache()
+                close()
 
 
-class ExLlamaV3Backend:
-    name = ENGINE
-
-    def load(self, request: LoadRequest) -> Session:
-        return ExLlamaV3Session(request)
-
-
-BACKEND = ExLlamaV3Backend()
+BACKEND = ExLlamaBackend(ExLlamaV3Session)

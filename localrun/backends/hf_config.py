@@ -1,14 +1,16 @@
-"""What the MLX, OpenVINO and ONNX backends read from a model folder's JSON files.
+"""What the backends read from a Hugging Face style model folder's JSON files.
 
-A Hugging Face style folder keeps the architecture in ``config.json`` and the
-model's own generation defaults and end-of-sequence ids in ``generation_config.json``.
-Nothing here imports an engine.
+A Hugging Face style folder keeps the architecture in ``config.json``, the
+model's own generation defaults and end-of-sequence ids in ``generation_config.json``
+and its chat template and special tokens beside the tokenizer
+(:func:`read_chat_template`). Nothing here imports an engine.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +103,59 @@ def architecture(config: Mapping[str, Any]) -> str | None:
         return archs[0]
     mt = config.get("model_type")
     return mt if isinstance(mt, str) else None
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    template: str | None  # None: the model ships none (localrun falls back to ChatML)
+    bos_token: str = ""
+    eos_token: str = ""
+    add_bos_token: bool | None = None  # None: not said (the tokenizer's post-processor decides)
+
+
+def _token_text(value: object) -> str:
+    """tokenizer_config.json keeps special tokens as a string or as an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    content = value.get("content") if isinstance(value, dict) else None
+    if isinstance(content, str):
+        return content
+    return ""
+
+
+def _pick_template(value: object) -> str | None:
+    """``chat_template`` is a string, or a list of ``{"name", "template"}`` (use "default")."""
+    if isinstance(value, str) and value.strip():
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        chosen = named.get("default")
+        if isinstance(chosen, str):
+            return chosen
+    return None
+
+
+def read_chat_template(folder: Path) -> ChatTemplate:
+    """The model's chat template and special tokens, as transformers would find them.
+
+    transformers >= 4.43 may save the template as ``chat_template.jinja`` (and older
+    releases as ``chat_template.json``) rather than inside ``tokenizer_config.json``;
+    the first one found wins, in that order. The ExLlama converters copy every
+    non-tensor file to the quantized folder, so these survive quantization.
+    """
+    tc = read_json(folder / "tokenizer_config.json")
+    template: str | None = None
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            template = jinja.read_text(encoding="utf-8") or None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelFileError(str(jinja), f"unreadable ({e})") from e
+    if template is None:
+        template = _pick_template(read_json(folder / "chat_template.json").get("chat_template"))
+    if template is None:
+        template = _pick_template(tc.get("chat_template"))
+    add_bos = tc.get("add_bos_token")
+    return ChatTemplate(template, _token_text(tc.get("bos_token")),
+                        _token_text(tc.get("eos_token")),
+                        add_bos if isinstance(add_bos, bool) else None)

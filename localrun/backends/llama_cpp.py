@@ -7,7 +7,9 @@ tokens. The chat template is the GGUF's own, rendered by :mod:`localrun.template
 
 Sampling runs llama.cpp's own samplers, in transformers' order: penalties, temperature,
 top_k, top_p, min_p, then the draw (:func:`temperature_first`). llama-cpp-python's
-chain applies the temperature last, so its filters would act at temperature 1.
+chain applies the temperature last, so its filters would act at temperature 1. The seed
+is the driver's (always set; 2**32 - 1, llama.cpp's "random", goes in as 0), and so is
+``max_tokens``, already within the context.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from localrun.backends import engine_version
 from localrun.backends.base import (
+    Batcher,
     GenerationStats,
     LoadRequest,
     Prompt,
@@ -285,8 +288,11 @@ class LlamaCppSession(Session):
         stats: GenerationStats,
     ) -> Iterator[str]:
         lc, llm = self._lc, self._llm
-        limit = min(sampling.max_tokens, llm.n_ctx() - len(prompt.tokens))
-        llm.set_seed(sampling.seed if sampling.seed is not None else lc.LLAMA_DEFAULT_SEED)
+        limit = sampling.max_tokens  # the driver keeps it within the context
+        assert sampling.seed is not None, "the driver sets the seed"
+        # LLAMA_DEFAULT_SEED (2**32 - 1) means "draw a random one" to llama.cpp: that seed
+        # goes in as 0, so that every seed localrun takes repeats its sample
+        llm.set_seed(sampling.seed % lc.LLAMA_DEFAULT_SEED)
         lc.llama_perf_context_reset(self._ctx_ptr)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         to_piece = self._piece
@@ -331,7 +337,25 @@ class LlamaCppSession(Session):
             stats.decode_tokens = int(perf.n_eval)
             stats.decode_seconds = perf.t_eval_ms / 1000.0
 
+    # -- several sequences at once (localrun.backends.llama_cpp_batch) -----------------
+
+    #: a lone sequence runs through generate(): the batcher's context holds capacity x
+    #: this one's KV cache, built only once sequences overlap (llama_cpp_batch)
+    batch_alone = False
+
+    def batcher(self) -> Batcher | None:
+        batcher: Batcher | None = getattr(self, "_batcher", None)
+        if batcher is None and getattr(self, "_llm", None) is not None:
+            from localrun.backends.llama_cpp_batch import make_batcher
+
+            batcher = self._batcher = make_batcher(self)
+        return batcher
+
     def close(self) -> None:
+        batcher = getattr(self, "_batcher", None)
+        if batcher is not None:  # its context goes before the model it runs on
+            batcher.close()
+            self._batcher = None
         llm = getattr(self, "_llm", None)
         if llm is not None:
             llm.close()

@@ -2,10 +2,11 @@
 
 mlx streams are thread-local since mlx 0.31, and a Model is called from whichever
 thread the user has: so every mlx call (load, seeding, prefill, decode) runs on one
-dedicated worker thread per Session. ``generate`` hands the worker a job and reads
-text pieces back from a queue; closing the generator early (stop string, cancel,
-abandoned stream) sets a flag the worker checks between tokens, and waits for the
-job to end, so the Session is ready for the next call.
+worker thread, the process's mlx thread (:func:`_shared_worker`). ``generate`` hands
+it a job and reads text pieces back through a :class:`~localrun.backends._worker.Relay`;
+closing the generator early (stop string, cancel, abandoned stream) sets a flag the
+worker checks between tokens, and waits for the job to end, so the Session is ready
+for the next call.
 
 We drive ``generate_step`` (not ``stream_generate``) so that we count exactly: EOS
 is never counted as a completion token and ``max_tokens`` tokens are all yielded.
@@ -15,25 +16,35 @@ How localrun's sampling options map onto mlx-lm:
 =====================  =========================================================
 localrun               mlx-lm
 =====================  =========================================================
-temperature 0          ``make_sampler(temp=0)``: argmax (greedy)
+temperature 0          mlx-lm's ``greedy_sampler``: argmax (greedy)
 temperature > 0        **first**, then top_k, top_p, min_p (transformers' order), from
-                       mlx-lm's ``apply_top_k/apply_top_p/apply_min_p`` and
-                       ``categorical_sampling``: ``make_sampler`` applies the
+                       mlx-lm's ``apply_top_k/apply_top_p/apply_min_p`` and a
+                       categorical draw: ``make_sampler`` applies the
                        temperature last, and top_p before top_k
-                       (:func:`temperature_first_sampler`)
+                       (:func:`~localrun.backends.mlx_batch.seeded_sampler`)
 top_p (1 = off)        ``apply_top_p`` (only when 0 < top_p < 1)
 top_k (0 = off)        ``apply_top_k`` (0 = off, the same convention)
 min_p (0 = off)        ``apply_min_p`` (0 = off)
 repetition_penalty     ``make_logits_processors(repetition_penalty=...)`` over the
-                       last :data:`REPETITION_CONTEXT` tokens (llama.cpp's window);
+                       last :data:`~localrun.backends.mlx_batch.REPETITION_CONTEXT`
+                       tokens (llama.cpp's window), the cached prompt included;
                        not installed at 1.0
-seed                   ``mx.random.seed`` on the worker thread before each request;
-                       unset draws a fresh seed
-max_tokens             ``generate_step(max_tokens=...)`` and our own count
+seed                   the request's own key chain, ``mx.random.key(seed)`` split per
+                       token: what ``mx.random.seed`` would draw, without mlx's one
+                       global stream (so a seed means the same in a batch)
+max_tokens             ``generate_step(max_tokens=...)`` and our own count (the driver
+                       keeps it within the context)
 stop strings           handled by localrun's API layer (mlx-lm has none)
 EOS                    the tokenizer's ``eos_token_ids`` plus every id in
                        generation_config.json
 =====================  =========================================================
+
+**KV reuse**: each call takes the prompt cache of a recent call sharing the longest
+prefix with its prompt and prefills only the rest; its own cache (prompt and reply) is
+kept for the next (:class:`~localrun.backends.mlx_batch.PrefixCache`, a few entries).
+**Batching**: overlapping calls go through mlx-lm's ``BatchGenerator``
+(:meth:`MLXSession.batcher`); a call alone runs here, through ``generate_step``, which
+is a little faster for one sequence (``batch_alone`` is False).
 
 Text comes from mlx-lm's streaming detokenizer with its trimming of the reply's first
 space turned off (:func:`keep_first_space`): a completion is the text that follows the
@@ -42,17 +53,17 @@ prompt, " the" after "The cat is", as on every other engine.
 
 from __future__ import annotations
 
-import queue
-import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from localrun.backends import engine_version
+from localrun.backends._worker import Relay, Worker
 from localrun.backends.base import (
+    Batcher,
     GenerationStats,
     LoadRequest,
     Prompt,
@@ -67,7 +78,15 @@ from localrun.backends.hf_config import (
     sampling_defaults,
     trained_context,
 )
+from localrun.backends.mlx_batch import (
+    CAPACITY,
+    MLXBatcher,
+    PrefixCache,
+    reuse_processors,
+    seeded_sampler,
+)
 from localrun.errors import (
+    ChatTemplateError,
     ConstrainedDecodingUnavailableError,
     EngineNotInstalledError,
     LocalrunError,
@@ -76,75 +95,19 @@ from localrun.errors import (
 from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
-from localrun.structured.engines import LazyGrammar, mlx_processor
+from localrun.structured.engines import LazyGrammar
 from localrun.structured.grammar import TokenMask, tokenizer_from_json
 from localrun.types import CancelToken, FinishReason, Message, ModelInfo
-
-#: Tokens the repetition penalty looks back over (llama.cpp's default repeat_last_n).
-REPETITION_CONTEXT = 64
 
 #: Tokenizer files of which an MLX folder needs one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
-T = TypeVar("T")
 
-
-class _Done:
-    """The end of one request: why, the detokenizer's held-back text, or the error."""
-
-    __slots__ = ("error", "reason", "tail")
-
-    def __init__(self, reason: FinishReason | None, tail: str = "",
-                 error: BaseException | None = None) -> None:
-        self.reason = reason
-        self.tail = tail
-        self.error = error
-
-
-class _Worker:
-    """One thread that runs every mlx call of a Session, in order."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="localrun-mlx", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
-
-    def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the worker and wait for its result (or its exception)."""
-        box: list[Any] = []
-        done = threading.Event()
-
-        def job() -> None:
-            try:
-                box.append((True, fn()))
-            except BaseException as e:  # re-raised on the caller's thread
-                box.append((False, e))
-            done.set()
-
-        self.submit(job)
-        done.wait()
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value  # type: ignore[no-any-return]
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
-
-
-_SHARED: _Worker | None = None
+_SHARED: Worker | None = None
 _SHARED_LOCK = threading.Lock()
 
 
-def _shared_worker() -> _Worker:
+def _shared_worker() -> Worker:
     """The one mlx thread of this process, shared by every MLX session.
 
     mlx streams are thread-local, and a thread that used them must not end before the
@@ -154,7 +117,7 @@ def _shared_worker() -> _Worker:
     global _SHARED
     with _SHARED_LOCK:
         if _SHARED is None:
-            _SHARED = _Worker()
+            _SHARED = Worker("localrun-mlx")
         return _SHARED
 
 
@@ -209,17 +172,12 @@ class MLXSession(Session):
         try:
             import mlx.core as mx
             import mlx_lm
-            from mlx_lm import sample_utils
             from mlx_lm.generate import generate_step
-            from mlx_lm.sample_utils import make_logits_processors, make_sampler
         except ImportError as e:  # installed per metadata but broken
             raise EngineNotInstalledError("MLX", "mlx", reason=str(e)) from e
         self._mx = mx
         self._generate_step = generate_step
-        self._make_sampler = make_sampler
-        self._sample_utils = sample_utils
-        self._make_logits_processors = make_logits_processors
-        self._worker: _Worker | None = _shared_worker()
+        self._worker: Worker | None = _shared_worker()
         try:
             loaded: Any = self._worker.call(lambda: mlx_lm.load(str(path)))
             self._model, self._tok = loaded[0], loaded[1]
@@ -228,6 +186,9 @@ class MLXSession(Session):
             raise ModelFileError(str(path), f"mlx-lm could not load it "
                                  f"({type(e).__name__}: {str(e).strip()[:300]})") from e
         self._eos = frozenset(set(self._tok.eos_token_ids) | eos_ids(gen_config, config))
+        self._prefixes = PrefixCache(self._model)  # used on the mlx thread only
+        self._batcher: MLXBatcher | None = None
+        self._capacity = CAPACITY[device]
         self.chat_template = getattr(self._tok, "chat_template", None)
         self.bos_token = str(getattr(self._tok, "bos_token", None) or "")
         self.eos_token = str(getattr(self._tok, "eos_token", None) or "")
@@ -258,10 +219,7 @@ class MLXSession(Session):
             text = self._tok.apply_chat_template(list(messages), add_generation_prompt=True,
                                                  tokenize=False)
         except Exception as e:  # jinja2 TemplateError, or the template's raise_exception
-            raise LocalrunError(
-                f"The model's chat template refused the conversation: {e}",
-                hint="check the roles and their order (many templates require user/assistant "
-                "turns to alternate)") from e
+            raise ChatTemplateError(str(e), messages) from e
         # The rendered template holds the special tokens it wants: add none
         # (as transformers' apply_chat_template(tokenize=True) does).
         return Prompt(list(self._tok.encode(str(text), add_special_tokens=False)), str(text))
@@ -287,55 +245,50 @@ class MLXSession(Session):
 
     # -- generation -------------------------------------------------------------------
 
-    def _run(self, prompt: Prompt, sampling: ResolvedSampling, limit: int, cancel: CancelToken,
-             halt: threading.Event, out: queue.SimpleQueue[str | _Done],
-             stats: GenerationStats, mask: TokenMask | None = None) -> None:
-        """One request, on the worker thread."""
-        mx = self._mx
+    def _run(self, prompt: Prompt, sampling: ResolvedSampling, cancel: CancelToken,
+             relay: Relay[tuple[FinishReason, str]], stats: GenerationStats,
+             mask: TokenMask | None = None) -> tuple[FinishReason, str]:
+        """One request, on the worker thread: (why it ended, the detokenizer's held-back
+        text). Prefills only what the longest cached prefix lacks."""
+        tokens = list(prompt.tokens)
+        cache, reused = self._prefixes.borrow(tokens)
+        detok = keep_first_space(self._tok.detokenizer)
+        detok.reset()
+        eos = self._eos
+        limit = sampling.max_tokens
+        steps = self._generate_step(
+            self._mx.array(tokens[reused:]), self._model, max_tokens=limit,
+            sampler=seeded_sampler(sampling), prompt_cache=cache,
+            logits_processors=reuse_processors(sampling, mask, tokens, reused))
+        reason: FinishReason = "length"
+        t0 = time.perf_counter()
+        t_first = t_last = 0.0
+        n = 0
+        given: list[int] = []  # every token generate_step gave: it ran the model on each
         try:
-            mx.random.seed(sampling.seed if sampling.seed is not None else secrets.randbits(32))
-            sampler = self._make_sampler(temp=0.0) if sampling.greedy else \
-                temperature_first_sampler(self._sample_utils, sampling)
-            processors = self._make_logits_processors(
-                repetition_penalty=sampling.repetition_penalty,
-                repetition_context_size=REPETITION_CONTEXT,
-            ) if sampling.repetition_penalty != 1.0 else None
-            if mask is not None:  # first: the penalties then see only allowed tokens
-                processors = [mlx_processor(mask, len(prompt.tokens)), *(processors or [])]
-            detok = keep_first_space(self._tok.detokenizer)
-            detok.reset()
-            eos = self._eos
-            steps = self._generate_step(mx.array(list(prompt.tokens)), self._model,
-                                        max_tokens=limit, sampler=sampler,
-                                        logits_processors=processors)
-            reason: FinishReason = "length"
-            t0 = time.perf_counter()
-            t_first = t_last = 0.0
-            n = 0
-            try:
-                for token, _logprobs in steps:
-                    t_last = time.perf_counter()
-                    if not n:
-                        t_first = t_last
-                    if token in eos:
-                        reason = "stop"
-                        break
-                    n += 1
-                    detok.add_token(token)
-                    out.put(detok.last_segment)
-                    if n >= limit or halt.is_set() or cancel.cancelled:
-                        break
-                detok.finalize()
-                tail = detok.last_segment
-            finally:
-                steps.close()
-                stats.prefill_tokens = len(prompt.tokens) if t_first else 0
-                stats.prefill_seconds = t_first - t0 if t_first else 0.0
-                stats.decode_tokens = max(n - 1, 0)
-                stats.decode_seconds = t_last - t_first if n > 1 else 0.0
-            out.put(_Done(reason, tail))
-        except BaseException as e:  # handed to the caller's thread
-            out.put(_Done(None, error=e))
+            for token, _logprobs in steps:
+                t_last = time.perf_counter()
+                if not n:
+                    t_first = t_last
+                given.append(int(token))
+                if token in eos:
+                    reason = "stop"
+                    break
+                n += 1
+                detok.add_token(token)
+                relay.put(detok.last_segment)
+                if n >= limit or relay.halted or cancel.cancelled:
+                    break
+            detok.finalize()
+            tail = detok.last_segment
+        finally:
+            steps.close()
+            stats.prefill_tokens = len(tokens) - reused if t_first else 0
+            stats.prefill_seconds = t_first - t0 if t_first else 0.0
+            stats.decode_tokens = max(n - 1, 0)
+            stats.decode_seconds = t_last - t_first if n > 1 else 0.0
+        self._prefixes.keep(tokens + given, cache)  # for the next call (not after an error)
+        return reason, tail
 
     def generate(
         self,
@@ -347,77 +300,54 @@ class MLXSession(Session):
         worker = self._worker
         if worker is None:
             raise LocalrunError("This MLX session is closed", hint="load the model again")
-        limit = min(sampling.max_tokens, self.info.context_length - len(prompt.tokens))
-        if limit <= 0:
-            stats.finish_reason = "length"
-            return
-        out: queue.SimpleQueue[str | _Done] = queue.SimpleQueue()
-        halt = threading.Event()
         # The worker fills the engine timings into its own stats object; we count
         # the pieces the caller actually received.
         engine_stats = GenerationStats()
         mask = self._grammar.mask(sampling.constraint) if sampling.constraint else None
-        worker.submit(lambda: self._run(prompt, sampling, limit, cancel, halt, out,
-                                        engine_stats, mask))
-        done: _Done | None = None
+        relay: Relay[tuple[FinishReason, str]] = Relay()
+        worker.submit(relay.job(lambda: self._run(prompt, sampling, cancel, relay,
+                                                  engine_stats, mask)))
         try:
-            while True:
-                item = out.get()
-                if isinstance(item, _Done):
-                    done = item
-                    break
+            for piece in relay:
                 stats.completion_tokens += 1
-                yield item
-            if done.error is not None:
-                raise done.error
-            if done.tail:
-                yield done.tail
-            stats.finish_reason = done.reason
+                yield piece
+            reason, tail = relay.result()
+            if tail:
+                yield tail
+            stats.finish_reason = reason
         finally:
-            halt.set()
-            while done is None:  # closed early: wait for the worker to finish the job
-                item = out.get()
-                if isinstance(item, _Done):
-                    done = item
+            relay.close()  # closed early: the worker ends the job before we return
             stats.prefill_tokens = engine_stats.prefill_tokens
             stats.prefill_seconds = engine_stats.prefill_seconds
             stats.decode_tokens = engine_stats.decode_tokens
             stats.decode_seconds = engine_stats.decode_seconds
 
+    # -- batching (localrun.backends.mlx_batch) -------------------------------------------
+
+    #: One sequence through generate_step costs a little less than through the
+    #: BatchGenerator (its per-step bookkeeping, a thread hand-off per token): measured
+    #: +2% CPU, +6% wall per decoded token here (docs/results/kv_reuse.md)
+    batch_alone = False
+
+    def batcher(self) -> Batcher | None:
+        worker = self._worker
+        if worker is None:
+            raise LocalrunError("This MLX session is closed", hint="load the model again")
+        if self._batcher is None:
+            tok = self._tok
+            self._batcher = MLXBatcher(worker, self._model, self._eos,
+                                       lambda: keep_first_space(tok.detokenizer),
+                                       self._prefixes, self._grammar.mask, self._capacity)
+        return self._batcher
+
     def close(self) -> None:
         worker, self._worker = self._worker, None
         if worker is not None:
+            batcher, self._batcher = self._batcher, None
+            if batcher is not None:
+                batcher.close()
+            worker.call(self._prefixes.clear)  # the kept caches' memory goes now
             self._model = None
-
-
-def temperature_first_sampler(su: Any, sampling: ResolvedSampling) -> Callable[[Any], Any]:
-    """A ``generate_step`` sampler that filters the distribution at the call's temperature.
-
-    mlx-lm's ``make_sampler`` runs top_p, min_p, then top_k on the temperature-1
-    log-probabilities and divides by the temperature only to draw, so top_p=0.05 at
-    temperature 50 keeps only the most likely token. Here the log-probabilities are
-    divided by the temperature and renormalized first (so a low temperature cannot
-    underflow top_p's probabilities to 0), then top_k, top_p and min_p act in
-    transformers' order. mlx-lm's ``logits_processors`` (repetition penalty, structured
-    output) run before any sampler, as transformers' processors run before its warpers.
-    """
-    import mlx.core as mx
-
-    inv_t = 1.0 / sampling.temperature
-    top_k, top_p, min_p = sampling.top_k, sampling.top_p, sampling.min_p
-
-    def sample(logprobs: Any) -> Any:
-        x = logprobs * inv_t
-        x = x - mx.logsumexp(x, axis=-1, keepdims=True)
-        if 0 < top_k < x.shape[-1]:
-            x = su.apply_top_k(x, top_k)
-        if 0 < top_p < 1.0:
-            x = su.apply_top_p(x, top_p)
-        if min_p > 0:
-            x = su.apply_min_p(x, min_p, 1)
-        return su.categorical_sampling(x, 1.0)
-
-    return sample
 
 
 def keep_first_space(detok: Any) -> Any:

@@ -1,56 +1,70 @@
 """ONNX Runtime GenAI: GenAI model folders (genai_config.json + model.onnx) on CPU, CUDA, DML.
 
-The engine is driven token by token on the caller's thread (``append_tokens`` for
-the prompt, then ``generate_next_token``), so cancellation and early close need no
-extra machinery: the API stops asking for tokens and the Generator is dropped.
+The engine is driven token by token on the caller's thread: ``append_tokens`` runs the
+model, ``get_logits`` gives the next token's scores, and localrun's sampler
+(:mod:`localrun.backends.logits_sampler`, its table says what each option does) picks
+the token, which is appended in turn. Plain greedy calls (no repetition penalty, no
+constraint) let the engine pick (``generate_next_token`` on a greedy Generator: the
+engine's own loop, the same tokens). The engine's sampler is never used:
 
-How localrun's sampling options map onto ``GeneratorParams.set_search_options``:
+* **KV reuse across calls.** The session keeps one ``og.Generator`` (one KV cache) from
+  call to call; a call ``rewind_to``-s the longest prefix it shares with the previous
+  prompt and prefills only the rest, so a conversation or an agent's long system prompt
+  is not prefilled again each turn. A Generator's search options (sampling, seed,
+  ``max_length``) are fixed when it is made, so a kept one cannot sample with each
+  call's own options and seed; localrun's sampler can (numpy PCG64 seeded per call: the
+  same seed gives the same text whether or not the cache was reused).
+* **Speed.** Per token on a 2-core x86 CPU, SmolLM2-135M int4: greedy is the engine's
+  loop; top_p 0.9 without top_k costs 19 ms through localrun's sampler, 30 ms through
+  the engine's (it sorts the vocabulary).
 
-=====================  =========================================================
-localrun               ONNX Runtime GenAI
-=====================  =========================================================
-temperature 0          ``do_sample=False`` (greedy)
-temperature > 0        ``do_sample=True``, ``temperature``
-top_p (1 = off)        with top_k > 1: ``top_p`` (checked: the engine's top-k-then-
-                       top-p sampler keeps exactly transformers' nucleus, at the
-                       temperature). With top_k 0, or with min_p: **computed by
-                       localrun** (:func:`own_nucleus`), the exact nucleus of the
-                       penalized, tempered, top-k-limited distribution, masked
-                       through ``get_logits/set_logits``, and the engine gets
-                       ``top_p=1``: its top-p-only sampler bounds the tail loosely
-                       (top_p=0.01 at temperature 1 sampled almost freely), and
-                       min_p masked before its nucleus would shrink the mass it
-                       measures against
-top_k (0 = off)        ``top_k=0`` (checked: 0 samples from the whole vocabulary,
-                       as top_k=vocab_size does; the engine's default is 50)
-min_p (0 = off)        **not in the engine**: localrun masks logits below
-                       ``max_logit + T * ln(min_p)`` (p < min_p * p_max at the
-                       temperature T, as transformers' MinPLogitsWarper) in the
-                       same pass, only when > 0
-repetition_penalty     ``repetition_penalty``; gap: the engine's window (not
-                       configurable), where llama.cpp and MLX use the last 64 tokens
-seed                   ``random_seed``; unset draws a fresh seed
-max_tokens             ``max_length`` = prompt + max_tokens (it is the TOTAL length)
-stop strings           handled by localrun's API layer (the engine has none)
-EOS                    ``Tokenizer.eos_token_ids`` plus genai_config / generation_config
-                       ids; the engine reports no finish reason, so "stop" is
-                       inferred from the last token
-=====================  =========================================================
+What is reused: the rows of the previous **prompt** only (not the previous reply's,
+whose KV came from one-token decode steps), and only rows that a fresh prefill of the
+new prompt computes bit for bit the same (:func:`reusable`): ONNX Runtime's CPU kernels
+(MLAS) multiply the int4 weights in tiles of :data:`ROW_TILE` prompt rows, and a tile of
+one row takes the single-row kernel, whose sums differ (up to 0.7 logit on
+SmolLM2-135M). So greedy output with reuse is the output without, token for token
+(tests/test_onnx_kv_reuse.py): a turn prefills the previous reply and the new message.
+``stats.prefill_tokens`` counts the tokens prefilled. Checked on CPU only (GPU kernels
+may tile otherwise: there the rule is kept, bit-exactness is untested).
+
+One cached prefix per Model: a Generator is one KV cache with no snapshot to go back
+to, so an agent alternating two system prompts prefills each again on every switch
+(several prefixes would take a Generator, and a whole KV buffer, each).
+
+Memory: the kept Generator holds its KV buffer between calls (``past_present_share_buffer``
+allocates it for ``max_length`` tokens up front): ``max_length`` x layers x 2 x KV heads
+x head size x 4 bytes (float32 on CPU), 45 KiB a token for SmolLM2-135M. It starts at
+:data:`KEPT_TOKENS` tokens and doubles when a call needs more (prompt + max_tokens), up
+to the context (SmolLM2-135M at 8192: 360 MiB); growing starts a new, empty Generator.
+``close()`` frees it.
+
+Batching: none; the driver runs calls one at a time. One Generator with ``batch_size`` >
+1 fixes its rows when it is made (none joins or leaves early), shares one set of search
+options, and needs prompts padded with ``pad_token_id``, which the engine's attention
+mask hides wherever it occurs: SmolLM2's pad is its EOS ``<|im_end|>``, in every chat
+prompt (3 of 4 padded replies differed from the same prompts alone). 0.18's ``og.Engine``
+batches on CPU through its static path (4 greedy requests started together: 2.0-2.25x
+the tokens/s of this loop) but a request arriving while a batch runs waits until every
+row of it ends, and it shows no logits (no min_p, no llguidance mask, and a seed would
+sample other text than alone) and keeps no prefix across requests: a Batcher on it would
+help only requests that arrive together, greedy. Measured in docs/results/kv_reuse.md.
+
+Other engine facts: EOS is ``Tokenizer.eos_token_ids`` plus genai_config /
+generation_config ids (the engine reports no finish reason); stop strings are the
+driver's; ``max_tokens`` arrives clamped to the context and is counted here.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
-import secrets
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from localrun.backends import engine_version
-from localrun.backends._exllama import read_chat_template
 from localrun.backends.base import (
     GenerationStats,
     LoadRequest,
@@ -60,15 +74,19 @@ from localrun.backends.base import (
 )
 from localrun.backends.hf_config import (
     eos_ids,
+    read_chat_template,
     read_json,
     require_files,
     sampling_defaults,
     token_ids,
 )
+from localrun.backends.logits_sampler import LogitsSampler
 from localrun.errors import (
+    ChatTemplateError,
     ConstrainedDecodingUnavailableError,
     EngineNotInstalledError,
     EngineUnavailableError,
+    GenerationError,
     LocalrunError,
     ModelFileError,
 )
@@ -76,7 +94,7 @@ from localrun.formats.integrity import check_onnx_genai
 from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
-from localrun.structured.engines import LazyGrammar, onnx_mask_logits
+from localrun.structured.engines import LazyGrammar
 from localrun.structured.grammar import tokenizer_from_json
 from localrun.types import CancelToken, Message, ModelInfo
 
@@ -85,6 +103,14 @@ from localrun.types import CancelToken, Message, ModelInfo
 PROVIDERS: dict[str, str] = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "dml": "dml",
                              "directml": "dml"}
 _DEVICE = re.compile(r"^([a-z]+)(?::(\d+))?$")
+
+#: Prompt rows per tile of ONNX Runtime's CPU int4 matmul (MLAS ``StrideM``), counted
+#: from the first row of each ``append_tokens``; a tile of one row takes the single-row
+#: kernel, whose sums differ from a larger tile's (see :func:`reusable`).
+ROW_TILE = 128
+
+#: Tokens the kept Generator's KV buffer holds at first; it doubles when a call needs more.
+KEPT_TOKENS = 1024
 
 BUILD_HINT = ("re-download the model, or build one: python -m onnxruntime_genai.models.builder "
               "-i MODEL_DIR -o OUT -p int4 -e cpu")
@@ -169,6 +195,10 @@ class OnnxGenAISession(Session):
         except ImportError as e:  # installed per metadata but broken
             raise EngineNotInstalledError("ONNX Runtime GenAI", "onnx", reason=str(e)) from e
         self._og = og
+        self._gen: Any = None  # the kept og.Generator (module docstring)
+        self._gen_tokens = 0  # the tokens its KV buffer holds
+        self._cached: Any = _NOTHING  # its reusable rows' tokens (an int32 array)
+        self._calls = 0  # generate() calls so far: a stale stream sees a newer one
         check_options("onnx", request.options)
         if request.device:
             provider, index = parse_device(request.device)
@@ -229,11 +259,8 @@ class OnnxGenAISession(Session):
         try:
             text = self._chat_tok.apply_chat_template(json.dumps(list(messages)),
                                                       add_generation_prompt=True)
-        except Exception as e:
-            raise LocalrunError(
-                f"The model's chat template refused the conversation: {e}",
-                hint="check the roles and their order (many templates require user/assistant "
-                "turns to alternate)") from e
+        except Exception as e:  # ort-extensions' Minja error, e.g. the raise_exception
+            raise ChatTemplateError(str(e), messages) from e
         return Prompt([int(t) for t in self._chat_tok.encode(text)], text)
 
     def encode_text(self, text: str) -> Prompt:
@@ -257,27 +284,26 @@ class OnnxGenAISession(Session):
 
     # -- generation -------------------------------------------------------------------
 
-    def _params(self, sampling: ResolvedSampling, total: int) -> Any:
+    def _generator(self, need: int) -> Any:
+        """The kept Generator, made (again, empty) when there is none or its KV buffer
+        holds fewer than ``need`` tokens."""
+        if self._gen is not None and self._gen_tokens >= need:
+            return self._gen
+        size = max(need, min(max(KEPT_TOKENS, 2 * self._gen_tokens), self.info.context_length))
+        self._drop_generator()  # the old buffer goes before the new one is allocated
         params = self._og.GeneratorParams(self._model)
-        options: dict[str, Any] = {
-            "max_length": total,
-            "min_length": 0,
-            "num_beams": 1,
-            "num_return_sequences": 1,
-            "no_repeat_ngram_size": 0,
-            "repetition_penalty": sampling.repetition_penalty,
-            "do_sample": not sampling.greedy,
-        }
-        if not sampling.greedy:
-            options.update(
-                temperature=sampling.temperature,
-                top_p=1.0 if own_nucleus(sampling) else sampling.top_p,
-                top_k=sampling.top_k,
-                random_seed=sampling.seed if sampling.seed is not None
-                else secrets.randbits(31),
-            )
-        params.set_search_options(**options)
-        return params
+        # greedy and neutral: the engine only runs the model, localrun chooses the tokens
+        params.set_search_options(max_length=size, min_length=0, num_beams=1,
+                                  num_return_sequences=1, no_repeat_ngram_size=0,
+                                  repetition_penalty=1.0, do_sample=False)
+        self._gen = self._og.Generator(self._model, params)
+        self._gen_tokens = size
+        return self._gen
+
+    def _drop_generator(self) -> None:
+        self._gen = None
+        self._gen_tokens = 0
+        self._cached = _NOTHING
 
     def generate(
         self,
@@ -286,31 +312,48 @@ class OnnxGenAISession(Session):
         cancel: CancelToken,
         stats: GenerationStats,
     ) -> Iterator[str]:
-        limit = min(sampling.max_tokens, self.info.context_length - len(prompt.tokens))
-        if limit <= 0:
-            stats.finish_reason = "length"
-            return
-        generator = self._og.Generator(self._model,
-                                       self._params(sampling, len(prompt.tokens) + limit))
+        import numpy as np
+
+        limit = sampling.max_tokens  # the driver keeps it within the context
+        tokens = np.asarray(prompt.tokens, dtype=np.int32)
+        n = int(tokens.shape[0])
+        # the last generated token is chosen, never appended: prompt + limit - 1 rows
+        generator = self._generator(n + limit)
+        self._calls += 1
+        call = self._calls
+        keep = reusable(self._cached, tokens)
+        sampler = LogitsSampler(sampling, tokens)
+        mask = self._grammar.mask(sampling.constraint) if sampling.constraint else None
         decode = self._tok.create_stream().decode
         eos = self._eos
-        filters = not sampling.greedy and sampling.top_k != 1 and (
-            sampling.min_p > 0 or own_nucleus(sampling))
-        mask = self._grammar.mask(sampling.constraint) if sampling.constraint else None
         t0 = time.perf_counter()
-        generator.append_tokens(list(prompt.tokens))
+        self._cached = _NOTHING  # until the prefill below has succeeded
+        try:
+            generator.rewind_to(keep)
+            generator.append_tokens(tokens[keep:])
+        except Exception:
+            self._drop_generator()  # its state is unknown now: the next call makes one
+            raise
         t1 = time.perf_counter()
-        stats.prefill_tokens = len(prompt.tokens)
+        # the prompt's rows are reusable, less a last row that ran alone in its tile (a
+        # longer prompt's fresh prefill computes it in a larger one)
+        self._cached = tokens if (n - keep) % ROW_TILE != 1 else tokens[:-1]
+        stats.prefill_tokens = n - keep
         stats.prefill_seconds = t1 - t0
+        # plain greedy: the kept Generator's own search (greedy, no penalty) picks the
+        # token, as the engine's loop does; anything else reads the logits
+        engine_picks = sampler.plain and mask is None
         t_first = t_last = 0.0
         try:
-            while not generator.is_done():
-                if mask is not None:  # first: min_p then measures against allowed tokens
-                    onnx_mask_logits(generator, mask)
-                if filters:
-                    _mask_filters(generator, sampling)
-                generator.generate_next_token()
-                token = int(generator.get_next_tokens()[0])
+            while True:
+                if engine_picks:
+                    generator.generate_next_token()  # runs the last token, picks the best
+                    token = int(generator.get_next_tokens()[0])
+                else:
+                    scores = generator.get_logits().reshape(-1)  # a copy, ours to change
+                    if mask is not None:  # first: the filters then see allowed tokens only
+                        scores = mask.apply(scores)
+                    token = sampler.choose(scores)
                 t_last = time.perf_counter()
                 if not t_first:
                     t_first = t_last
@@ -323,103 +366,61 @@ class OnnxGenAISession(Session):
                 yield decode(token)
                 if stats.completion_tokens >= limit or cancel.cancelled:
                     break
+                if self._calls != call:  # a stream left open while a newer call ran
+                    raise GenerationError("onnx", "a newer call on this model took over its "
+                                          "generator; finish or close a stream before the next")
+                if not engine_picks:
+                    generator.append_tokens(np.array((token,), dtype=np.int32))
             stats.finish_reason = "length"
+        except LocalrunError:
+            raise
+        except Exception:
+            if self._calls == call:
+                self._drop_generator()
+            raise
         finally:
-            # the first token's time is the end of prefill: sampling it reads the
+            # the first token's time is the end of prefill: choosing it reads the
             # logits append_tokens computed
             stats.prefill_seconds += (t_first - t1) if t_first else 0.0
             stats.decode_tokens = max(stats.completion_tokens - 1, 0)
             stats.decode_seconds = t_last - t_first if stats.decode_tokens else 0.0
-            del generator
 
     def close(self) -> None:
+        self._drop_generator()  # its KV buffer first, while the model is still alive
         self._tok = None
         self._chat_tok = None
         self._model = None
 
 
-def own_nucleus(sampling: ResolvedSampling) -> bool:
-    """Whether localrun computes top_p (see the table above) rather than the engine."""
-    return sampling.top_p < 1.0 and (sampling.top_k == 0 or sampling.min_p > 0)
+#: An empty token array, without importing numpy at import time.
+_NOTHING: Sequence[int] = ()
 
 
-def _mask_filters(generator: Any, sampling: ResolvedSampling) -> None:
-    """Drop the tokens top_p and min_p exclude, on the distribution transformers filters:
-    repetition penalty, then temperature, then top_k (the engine applies its penalty and
-    top_k after this mask: a masked token stays masked, and the kept ones are the same).
-    min_p drops p < min_p * p_max (the engine has none); top_p keeps the smallest set of
-    most likely tokens, among the top_k, whose probability reaches top_p. min_p is
-    relative to p_max, which the nucleus always keeps, so the two sets intersect."""
+def reusable(cached: Any, prompt: Any) -> int:
+    """How many leading tokens of ``prompt`` to keep from a Generator whose first
+    ``len(cached)`` rows hold ``cached`` (computed as a fresh prefill computes them), so
+    that prefilling the rest gives bit for bit the rows and logits of a fresh prefill of
+    the whole prompt (token ids: sequences or int arrays).
+
+    At most the common prefix less one token: the last prompt token always runs again,
+    for its logits. Then the appended rest must end in a one-row tile exactly when a
+    fresh prefill does (prompt length = 1 mod :data:`ROW_TILE`): such a prompt keeps a
+    whole number of tiles (its rest then tiles as the fresh prefill does); any other
+    keeps one token fewer where its rest would end in a tile of one.
+    """
     import numpy as np
 
-    logits = generator.get_logits()  # (1, 1, vocab) float32
-    row = logits.reshape(-1)
-    scores = row
-    if sampling.repetition_penalty != 1.0:  # the engine's: every token of the sequence
-        seen = np.unique(np.asarray(generator.get_sequence(0)))
-        seen = seen[(seen >= 0) & (seen < row.shape[0])]
-        scores = row.copy()
-        hit = scores[seen]
-        scores[seen] = np.where(hit < 0, hit * sampling.repetition_penalty,
-                                hit / sampling.repetition_penalty)
-    kept = _nucleus(scores, sampling) if own_nucleus(sampling) else None
-    if sampling.min_p > 0:
-        cut = scores.max() + sampling.temperature * math.log(sampling.min_p)
-        kept = np.flatnonzero(scores >= cut) if kept is None else kept[scores[kept] >= cut]
-    if kept is None:
-        return
-    out = np.full(row.shape, -np.inf, dtype=np.float32)
-    out[kept] = row[kept]
-    generator.set_logits(out.reshape(logits.shape))
-
-
-def _nucleus(scores: Any, sampling: ResolvedSampling) -> Any:
-    """The token ids of the top_p nucleus of softmax(scores / T) over the top_k.
-
-    Sorting the whole vocabulary costs ~3-8 ms a token on a 2-core CPU (as much as a
-    SmolLM2-135M step), so only the most likely tokens are sorted: the top_k (ties
-    included, as transformers' TopK keeps them), found among the tokens within a few
-    logits of the best; without top_k, the tokens at least 1e-3 times as likely as the
-    best, then eight times more tokens while their mass stays short of top_p."""
-    import numpy as np
-
-    size = scores.shape[0]
-    best = scores.max()
-    inv_t = np.float32(1.0 / sampling.temperature)
-    if 0 < sampling.top_k < size:
-        # the top_k lie among the tokens near the best: widen until there are enough
-        width = 8.0
-        pool = np.flatnonzero(scores >= best - width)
-        while pool.shape[0] < sampling.top_k:
-            width = width * 4 if width < 1e4 else math.inf
-            pool = np.flatnonzero(scores >= best - width)
-        if pool.shape[0] > sampling.top_k:
-            near = scores[pool]
-            cut = np.partition(near, near.shape[0] - sampling.top_k)[
-                near.shape[0] - sampling.top_k]
-            pool = pool[near >= cut]
-        pool = pool[np.argsort(-scores[pool], kind="stable")]
-        mass = np.cumsum(np.exp((scores[pool] - best) * inv_t), dtype=np.float64)
-        n = int(np.searchsorted(mass, sampling.top_p * mass[-1])) + 1
-        return pool[:min(n, pool.shape[0])]
-    probs = np.subtract(scores, best, dtype=np.float32)
-    probs *= inv_t
-    np.exp(probs, out=probs)  # relative to the best token's: 1 for it
-    target = sampling.top_p * float(probs.sum(dtype=np.float64))
-    # first the tokens at least 1e-3 times as likely as the best (a few hundred), unless
-    # the distribution is flat (a high temperature): then the k most likely
-    top = np.flatnonzero(probs >= 1e-3)
-    k = 0 if top.shape[0] <= 2048 else 64
-    while True:
-        if k:  # the k most likely, ties included
-            top = np.flatnonzero(scores >= np.partition(scores, size - k)[size - k]) \
-                if k < size else np.arange(size)
-        top = top[np.argsort(-scores[top], kind="stable")]  # by id among equals
-        mass = np.cumsum(probs[top], dtype=np.float64)
-        if mass[-1] >= target or top.shape[0] >= size:
-            n = int(np.searchsorted(mass, target)) + 1
-            return top[:min(n, top.shape[0])]
-        k = min(max(k, top.shape[0], 8) * 8, size)
+    n = len(prompt)
+    limit = min(len(cached), n - 1)
+    if limit <= 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(cached[:limit]) != np.asarray(prompt[:limit]))
+    common = int(differ[0]) if differ.shape[0] else limit
+    if n % ROW_TILE == 1:
+        return common - common % ROW_TILE
+    if (n - common) % ROW_TILE == 1:
+        return common - 1
+    return common
 
 
 def _quantization(folder: Path) -> str | None:

@@ -1,128 +1,143 @@
-"""Continuous batching for OpenVINO GenAI sessions (``Session.generate_batch``).
+"""Continuous batching for OpenVINO GenAI sessions: the session's :class:`Batcher`.
 
 ``LLMPipeline`` runs one request at a time; ``ContinuousBatchingPipeline`` schedules
 many sequences through one model, adding and dropping them between steps. It is a
-second pipeline over the same folder, built on the first batch and kept with the
-session (for SmolLM2-135M int4 it costs ~100 MB more). We drive it ourselves:
-``add_request`` with the token ids localrun counted, ``step()``, then ``read()`` the
-new token ids of each handle, so each sequence streams, stops on its own cancel
-token (a stop string matched) and admits the next queued prompt as soon as a slot
-frees up (``max_concurrency``).
+second pipeline over the same folder, built the first time sequences overlap and kept
+with the session (for SmolLM2-135M int4 it costs ~100 MB more). The driver's engine
+thread drives it: ``add_request`` with the token ids localrun counted, ``step()``,
+then ``read()`` the new token ids of each handle, so each sequence streams, stops on
+its own (a stop string matched, its caller went away) and frees its slot for the next
+waiting one. A cancelled handle's KV blocks are freed by the next ``step()``; without
+that the pipeline reports leaked blocks when it is destroyed.
 
-The OpenVINO session opts in with::
-
-    supports_batch = True
-
-    def generate_batch(self, *args: Any) -> Iterator[tuple[int, str | None]]:
-        from localrun.backends.openvino_batch import generate_batch
-        return generate_batch(self, *args)
+The session gives what the batcher needs explicitly (its EOS ids, a detokenizer, its
+GenerationConfig builder), so this module does not import the session's.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from localrun.backends.base import GenerationStats, Prompt, Session
+from localrun.backends.base import Batcher, GenerationStats, Prompt
 from localrun.sampling import ResolvedSampling
+from localrun.structured.constraint import Constraint
 from localrun.structured.engines import is_openvino_grammar_error, openvino_schema_error
-from localrun.types import CancelToken, FinishReason
+from localrun.types import FinishReason
 
 #: Tokens the scheduler may process in one step (prefill chunks + one per decoding
 #: sequence). The engine default (256) splits the prefill of a batch of short chat
 #: prompts over many steps; 1024 keeps a 16-prompt batch's prefill to a step or two.
 MAX_BATCHED_TOKENS = 1024
-#: When the caller gives no max_concurrency: enough to fill this CPU's SIMD lanes with
-#: a small model, few enough that each sequence's KV cache stays small.
-DEFAULT_CONCURRENCY = 16
+#: Sequences in flight at once: the pipeline's KV cache grows as they need it, and 32
+#: is the batch of ContinuousBatchingPipeline.generate() localrun is measured against.
+CAPACITY = 32
 
 
-class ContinuousBatcher:
+class _Sequence:
+    __slots__ = ("cancelled", "constraint", "detok", "handle", "reason", "stats")
+
+    def __init__(self, handle: Any, detok: Callable[[int], str], stats: GenerationStats,
+                 constraint: Constraint | None) -> None:
+        self.handle = handle
+        self.detok = detok
+        self.stats = stats
+        self.constraint = constraint
+        self.reason: FinishReason | None = None
+        self.cancelled = False
+
+
+class ContinuousBatcher(Batcher):
     """A ContinuousBatchingPipeline over the session's model folder."""
 
-    def __init__(self, path: str, device: str, properties: dict[str, Any]) -> None:
-        import openvino_genai as og
+    capacity = CAPACITY
 
-        self._og = og
-        config = og.SchedulerConfig()
-        config.max_num_batched_tokens = MAX_BATCHED_TOKENS
-        config.dynamic_split_fuse = True
-        # cache_size 0 and num_kv_blocks 0: the KV cache grows as sequences need it.
-        self.pipe = og.ContinuousBatchingPipeline(path, config, device, properties)
-
-    def run(
-        self,
-        session: Any,
-        prompts: Sequence[Prompt],
-        samplings: Sequence[ResolvedSampling],
-        cancels: Sequence[CancelToken],
-        stats: Sequence[GenerationStats],
-        max_concurrency: int | None,
-    ) -> Iterator[tuple[int, str | None]]:
+    def __init__(self, path: str, device: str, properties: dict[str, Any], *,
+                 eos: frozenset[int], detokenizer: Callable[[], Callable[[int], str]],
+                 config: Callable[[ResolvedSampling], Any]) -> None:
         import numpy as np
         import openvino
+        import openvino_genai as og
 
-        from localrun.backends.openvino_genai import IncrementalDetokenizer
+        self._np, self._ov = np, openvino
+        scheduler = og.SchedulerConfig()
+        scheduler.max_num_batched_tokens = MAX_BATCHED_TOKENS
+        scheduler.dynamic_split_fuse = True
+        # cache_size 0 and num_kv_blocks 0: the KV cache grows as sequences need it.
+        self.pipe: Any = og.ContinuousBatchingPipeline(path, scheduler, device, properties)
+        self._running = og.GenerationStatus.RUNNING
+        self._finish_stop = og.GenerationFinishReason.STOP
+        self._eos = eos
+        self._detokenizer = detokenizer
+        self._config = config
+        self._active: dict[int, _Sequence] = {}
 
-        og, pipe = self._og, self.pipe
-        running = og.GenerationStatus.RUNNING
-        finish_stop = og.GenerationFinishReason.STOP
-        eos = session._eos
-        decode = session._tok.decode
-        width = max_concurrency or DEFAULT_CONCURRENCY
-        pending = deque(range(len(prompts)))
-        active: dict[int, tuple[Any, IncrementalDetokenizer]] = {}
-        ctx = session.info.context_length
+    def add(self, key: int, prompt: Prompt, sampling: ResolvedSampling,
+            stats: GenerationStats) -> None:
+        ids = self._ov.Tensor(self._np.asarray([list(prompt.tokens)], dtype=self._np.int64))
         try:
-            while pending or active:
-                while pending and len(active) < width:
-                    k = pending.popleft()
-                    limit = min(samplings[k].max_tokens, ctx - len(prompts[k].tokens))
-                    if cancels[k].cancelled or limit <= 0:
-                        stats[k].finish_reason = "length" if limit <= 0 else None
-                        yield k, None
-                        continue
-                    ids = openvino.Tensor(np.asarray([list(prompts[k].tokens)], dtype=np.int64))
-                    handle = pipe.add_request(k, ids, session._config(samplings[k], limit))
-                    stats[k].started = time.perf_counter()
-                    stats[k].prefill_tokens = len(prompts[k].tokens)
-                    active[k] = (handle, IncrementalDetokenizer(decode))
-                pipe.step()
-                for k, (handle, detok) in list(active.items()):
-                    reason: FinishReason | None = None
-                    while handle.can_read():
-                        for out in handle.read().values():
-                            for t in out.generated_ids:
-                                if t in eos:
-                                    reason = "stop"
-                                    continue
-                                stats[k].completion_tokens += 1
-                                yield k, detok.add(int(t))
-                            if out.finish_reason == finish_stop:
-                                reason = "stop"
-                    if cancels[k].cancelled:
-                        handle.cancel()
-                    elif handle.get_status() == running:
-                        continue
-                    stats[k].finish_reason = reason or "length"
-                    del active[k]
-                    yield k, None
-        except RuntimeError as e:  # XGrammar refusing a schema (raised by add_request/step)
-            constraint = next((s.constraint for s in samplings if s.constraint is not None),
-                              None)
-            if constraint is not None and is_openvino_grammar_error(e):
-                raise openvino_schema_error(constraint, e) from e
-            raise
+            handle = self.pipe.add_request(key, ids, self._config(sampling))
+        except RuntimeError as e:  # XGrammar refusing this sequence's schema
+            raise _mapped(e, sampling.constraint) from e
+        stats.started = time.perf_counter()
+        stats.prefill_tokens = len(prompt.tokens)
+        self._active[key] = _Sequence(handle, self._detokenizer(), stats, sampling.constraint)
+
+    def cancel(self, key: int) -> None:
+        seq = self._active.get(key)
+        if seq is not None and not seq.cancelled:
+            seq.handle.cancel()
+            seq.cancelled = True
+
+    def step(self) -> list[tuple[int, str | None]]:
+        try:
+            self.pipe.step()
+        except RuntimeError as e:  # XGrammar refusing a schema mid-step
+            constraint = next((s.constraint for s in self._active.values()
+                               if s.constraint is not None), None)
+            raise _mapped(e, constraint) from e
+        out: list[tuple[int, str | None]] = []
+        eos, running, finish_stop = self._eos, self._running, self._finish_stop
+        for key, seq in list(self._active.items()):
+            handle = seq.handle
+            if not seq.cancelled:
+                stats = seq.stats
+                while handle.can_read():
+                    for res in handle.read().values():
+                        for t in res.generated_ids:
+                            if t in eos:
+                                seq.reason = "stop"
+                                continue
+                            stats.completion_tokens += 1
+                            out.append((key, seq.detok(int(t))))
+                        if res.finish_reason == finish_stop:
+                            seq.reason = "stop"
+                if handle.get_status() == running:
+                    continue
+            seq.stats.finish_reason = seq.reason or "length"
+            del self._active[key]
+            out.append((key, None))
+        return out
+
+    def close(self) -> None:
+        if self.pipe is None:
+            return
+        for seq in self._active.values():
+            seq.handle.cancel()
+        self._active.clear()
+        try:  # free the cancelled requests' blocks before the pipeline goes
+            self.pipe.step()
+            while self.pipe.has_non_finished_requests():
+                self.pipe.step()
         finally:
-            for handle, _ in active.values():  # closed early: free their KV blocks
-                handle.cancel()
-            # A cancelled request's blocks are freed by the next step; without it the
-            # pipeline reports leaked blocks when it is destroyed.
-            pipe.step()
-            while pipe.has_non_finished_requests():
-                pipe.step()
+            self.pipe = None
+
+
+def _mapped(error: RuntimeError, constraint: Constraint | None) -> Exception:
+    if constraint is not None and is_openvino_grammar_error(error):
+        return openvino_schema_error(constraint, error)
+    return error
 
 
 def batch_properties(props: dict[str, Any], device: str,
@@ -154,32 +169,3 @@ def _cpu_precision(hint: Any) -> str:
     import openvino
 
     return str(openvino.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name())
-
-
-def generate_batch(
-    session: Session,
-    prompts: Sequence[Prompt],
-    samplings: Sequence[ResolvedSampling],
-    cancels: Sequence[CancelToken],
-    stats: Sequence[GenerationStats],
-    max_concurrency: int | None,
-) -> Iterator[tuple[int, str | None]]:
-    """``Session.generate_batch`` for an OpenVINO GenAI session."""
-    batcher: ContinuousBatcher | None = getattr(session, "_batcher", None)
-    if batcher is None:
-        device = getattr(session, "device", "CPU")
-        props = batch_properties(getattr(session, "load_properties", {}) or {}, device)
-        batcher = ContinuousBatcher(session.info.path, device, props)
-        session._batcher = batcher  # type: ignore[attr-defined]
-    return batcher.run(session, prompts, samplings, cancels, stats, max_concurrency)
-
-
-def batching_session(session: Session) -> Session:
-    """Turn on batching for a loaded OpenVINO session until its own hook lands."""
-    cls = type(session)
-    if getattr(cls, "supports_batch", False):
-        return session
-    name = cls.__name__ + "WithBatching"
-    sub = type(name, (cls,), {"supports_batch": True, "generate_batch": generate_batch})
-    session.__class__ = sub
-    return session

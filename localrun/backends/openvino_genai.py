@@ -1,12 +1,13 @@
 """OpenVINO GenAI: OpenVINO IR folders (and, unoptimized, some GGUF files) on CPU/GPU/NPU.
 
 ``LLMPipeline.generate`` blocks until the reply is done and reports tokens through a
-streamer callback, so a worker thread runs it and hands token ids to the caller's
-generator through a queue; the streamer answers ``CANCEL`` as soon as the caller
-cancels or closes the stream, so generation stops within one token. We always pass
-a token tensor, never text: the pipeline then neither re-tokenizes nor re-applies a
-template, ``prompt_tokens`` is exactly what we counted, and the results carry
-``perf_metrics`` (``generate(str)`` would return a bare string without them).
+streamer callback, so a thread of its own runs each call and hands text pieces to the
+caller's generator through a :class:`~localrun.backends._worker.Relay`; the streamer
+answers ``CANCEL`` as soon as the caller cancels or closes the stream, so generation
+stops within one token, and the generator waits for that thread before it returns.
+We always pass a token tensor, never text: the pipeline then neither re-tokenizes nor
+re-applies a template, ``prompt_tokens`` is exactly what we counted, and the results
+carry ``perf_metrics`` (``generate(str)`` would return a bare string without them).
 
 How localrun's sampling options map onto ``GenerationConfig``:
 
@@ -21,9 +22,11 @@ min_p (0 = off)        ``min_p``
 repetition_penalty     ``repetition_penalty`` (applies to greedy decoding too); gap:
                        the engine's window (not configurable), where llama.cpp and
                        MLX look back over the last 64 tokens
-seed                   ``rng_seed``; unset draws a fresh seed (the engine's default
-                       is a fixed 0, which would repeat the same "random" reply)
-max_tokens             ``max_new_tokens`` (its default is unlimited: always set)
+seed                   ``rng_seed``, always set (the driver draws one when the caller
+                       gives none: the engine's default is a fixed 0, which would
+                       repeat the same "random" reply)
+max_tokens             ``max_new_tokens`` (its default is unlimited: always set; the
+                       driver keeps it within the context)
 stop strings           handled by localrun's API layer (``stop_strings`` left empty)
 EOS                    ``stop_token_ids`` = every id in generation_config.json plus
                        the tokenizer's EOS
@@ -32,16 +35,15 @@ EOS                    ``stop_token_ids`` = every id in generation_config.json p
 
 from __future__ import annotations
 
-import queue
 import re
-import secrets
-import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from localrun.backends import engine_version
+from localrun.backends._worker import Relay
 from localrun.backends.base import (
+    Batcher,
     GenerationStats,
     LoadRequest,
     Prompt,
@@ -57,6 +59,7 @@ from localrun.backends.hf_config import (
     trained_context,
 )
 from localrun.errors import (
+    ChatTemplateError,
     ContextOverflowError,
     EngineNotInstalledError,
     LocalrunError,
@@ -150,18 +153,6 @@ def npu_lengths(context: int, options: dict[str, Any]) -> tuple[int, int]:
     return prompt, _down(context - prompt, NPU_ALIGN)
 
 
-class _Done:
-    """End of one generation, as the worker saw it."""
-
-    __slots__ = ("error", "reason", "result")
-
-    def __init__(self, reason: FinishReason | None, result: Any = None,
-                 error: BaseException | None = None) -> None:
-        self.reason = reason
-        self.result = result
-        self.error = error
-
-
 class IncrementalDetokenizer:
     """Text for each new token without decoding the whole reply every time.
 
@@ -192,13 +183,27 @@ class IncrementalDetokenizer:
 
 
 class OpenVINOSession(Session):
-    #: Many sequences at once through ContinuousBatchingPipeline (openvino_batch.py).
-    supports_batch = True
+    #: A sequence alone runs through LLMPipeline (SDPA and the f32 KV cache on the CPU):
+    #: the batching pipeline is paged attention, whose greedy tokens at the CPU's bf16
+    #: compute are not always the single-sequence ones (tests/test_batch.py).
+    batch_alone = False
+    _batcher: Batcher | None = None
 
-    def generate_batch(self, *args: Any) -> Iterator[tuple[int, str | None]]:
-        from localrun.backends.openvino_batch import generate_batch
+    def batcher(self) -> Batcher | None:
+        """Many sequences at once through ContinuousBatchingPipeline (openvino_batch.py),
+        built the first time sequences overlap; none on the NPU (batches run in turn)."""
+        if self.device == "NPU" or self._pipe is None:
+            return None
+        if self._batcher is None:
+            from localrun.backends.openvino_batch import ContinuousBatcher, batch_properties
 
-        return generate_batch(self, *args)
+            tok = self._tok
+            self._batcher = ContinuousBatcher(
+                self.info.path, self.device,
+                batch_properties(self.load_properties, self.device), eos=self._eos,
+                detokenizer=lambda: IncrementalDetokenizer(tok.decode).add,
+                config=self._config)
+        return self._batcher
 
     def __init__(self, request: LoadRequest) -> None:
         path = Path(request.path).expanduser()
@@ -243,8 +248,6 @@ class OpenVINOSession(Session):
             self.max_prompt, response = npu_lengths(context, options)
             props.update(MAX_PROMPT_LEN=self.max_prompt, MIN_RESPONSE_LEN=response)
             context = self.max_prompt + response
-            # no ContinuousBatchingPipeline on the NPU: batches run in turn
-            self.supports_batch = False
         if device.startswith("CPU"):
             # The CPU plugin's default u8 KV cache quantizes with scales that depend on
             # memory left over from earlier requests: the same seed then gave a different
@@ -301,11 +304,8 @@ class OpenVINOSession(Session):
     def encode_chat(self, messages: Sequence[Message]) -> Prompt:
         try:
             text = self._tok.apply_chat_template(list(messages), add_generation_prompt=True)
-        except RuntimeError as e:
-            raise LocalrunError(
-                f"The model's chat template refused the conversation: {_first_line(e)}",
-                hint="check the roles and their order (many templates require user/assistant "
-                "turns to alternate)") from e
+        except RuntimeError as e:  # Minja's error, e.g. the template's raise_exception
+            raise ChatTemplateError(str(e), messages) from e
         # The rendered template already holds the special tokens it wants (as
         # transformers' apply_chat_template(tokenize=True) does, add none).
         return Prompt(self._encode(text, special=False), text)
@@ -322,9 +322,9 @@ class OpenVINOSession(Session):
 
     # -- generation -------------------------------------------------------------------
 
-    def _config(self, sampling: ResolvedSampling, limit: int) -> Any:
+    def _config(self, sampling: ResolvedSampling) -> Any:
         cfg = self._og.GenerationConfig()
-        cfg.max_new_tokens = limit
+        cfg.max_new_tokens = sampling.max_tokens
         cfg.min_new_tokens = 0
         cfg.ignore_eos = False
         cfg.stop_token_ids = set(self._eos)
@@ -339,8 +339,7 @@ class OpenVINOSession(Session):
             cfg.top_p = sampling.top_p
             cfg.top_k = sampling.top_k or _SIZE_MAX
             cfg.min_p = sampling.min_p
-            cfg.rng_seed = sampling.seed if sampling.seed is not None else \
-                secrets.randbits(32)
+            cfg.rng_seed = sampling.seed
         if sampling.constraint is not None:
             so = openvino_structured_config(self._og, sampling.constraint)
             if so is not None:
@@ -358,18 +357,13 @@ class OpenVINOSession(Session):
             # The NPU's prefill has a static shape: the engine would raise mid-call.
             raise ContextOverflowError(len(prompt.tokens), self.max_prompt,
                                        trained_context=self.info.trained_context_length)
-        limit = min(sampling.max_tokens, self.info.context_length - len(prompt.tokens))
-        if limit <= 0:
-            stats.finish_reason = "length"
-            return
         import numpy as np
         import openvino
 
         og = self._og
-        cfg = self._config(sampling, limit)
+        cfg = self._config(sampling)
         ids = openvino.Tensor(np.asarray([list(prompt.tokens)], dtype=np.int64))
-        out: queue.SimpleQueue[str | _Done] = queue.SimpleQueue()
-        halt = threading.Event()
+        relay: Relay[Any] = Relay()
         eos = self._eos
         # Detokenize on the engine's thread, between tokens: the CPU plugin's results
         # depend on what else runs in the process, so decoding concurrently with
@@ -386,8 +380,8 @@ class OpenVINOSession(Session):
                     if t in eos:
                         self.ended = "stop"
                         return stop
-                    out.put(detok.add(t))
-                if halt.is_set() or cancel.cancelled:
+                    relay.put(detok.add(t))
+                if relay.halted or cancel.cancelled:
                     return cancelled
                 return running
 
@@ -396,42 +390,30 @@ class OpenVINOSession(Session):
 
         streamer = Streamer()
 
-        def work() -> None:
+        def work() -> Any:
             try:
-                result = self._pipe.generate(ids, cfg, streamer)
-            except BaseException as e:  # handed to the caller's thread
-                out.put(_Done(None, error=e))
-                return
-            out.put(_Done(streamer.ended or "length", result))
+                return self._pipe.generate(ids, cfg, streamer)
+            except Exception as e:
+                if sampling.constraint is not None and is_openvino_grammar_error(e):
+                    raise openvino_schema_error(sampling.constraint, e) from e
+                raise
 
-        worker = threading.Thread(target=work, name="localrun-openvino", daemon=True)
-        done: _Done | None = None
-        worker.start()
+        relay.start(work, name="localrun-openvino")
         try:
-            while True:
-                item = out.get()
-                if isinstance(item, _Done):
-                    done = item
-                    break
+            for piece in relay:
                 stats.completion_tokens += 1
-                yield item
-            if done.error is not None:
-                if sampling.constraint is not None and is_openvino_grammar_error(done.error):
-                    raise openvino_schema_error(sampling.constraint, done.error) \
-                        from done.error
-                raise done.error
-            stats.finish_reason = done.reason
+                yield piece
+            relay.result()  # the engine's exception, if it raised
+            stats.finish_reason = streamer.ended or "length"
         finally:
-            halt.set()
-            worker.join()
-            if done is None:  # closed early: collect the worker's result for the metrics
-                while not isinstance(item := out.get(), _Done):
-                    pass
-                done = item
-            if done.result is not None:
-                _fill_stats(stats, done.result.perf_metrics)
+            result = relay.close()  # closed early: the thread ends before we return
+            if result is not None:
+                _fill_stats(stats, result.perf_metrics)
 
     def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
+            self._batcher = None
         self._pipe = None
         self._tok = None
 

@@ -10,15 +10,23 @@ they are not off, so a strict OpenAI endpoint never sees them by default).
 The prompt's tokens stay on the server: a prompt here carries the messages or the text,
 and its token count (what ``Usage.prompt_tokens`` reads) is filled in from the server's
 usage once the reply has streamed. Stop strings go to the server (it stops early) and
-are also matched by the API, as on every backend.
+are also matched by the API, as on every backend. ``Model.count_tokens`` asks the
+server's ``POST /tokenize`` (vLLM, SGLang); a server without one (OpenAI, ``localrun
+serve``) gets TokenCountUnavailableError rather than a guess.
+
+Concurrency (:mod:`localrun.backends.remote_streams`): every sequence is its own
+streaming request on a thread of its own; the server's scheduler batches them.
+Cancelling one shuts its connection down at once, so the server aborts that request.
+
+Tools (:mod:`localrun.backends.remote_tools`) go to the server's own tool support
+(OpenAI's ``tools``/``tool_choice``), and the tool calls it streams back come out as
+localrun's ToolCall/ToolCallDelta.
 """
 
 from __future__ import annotations
 
 import json
-import queue
 import re
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -27,19 +35,28 @@ from urllib.parse import urlsplit
 import httpx2
 
 from localrun.backends.base import (
+    Batcher,
     GenerationStats,
     LoadRequest,
     Prompt,
     Session,
     check_options,
 )
+from localrun.backends.remote_streams import ClosingCancel, RequestBatcher
+from localrun.backends.remote_tools import (
+    ENVELOPE_TEMPLATE,
+    CallWriter,
+    read_envelope,
+    strict_tool,
+    tool_choice,
+)
 from localrun.errors import (
-    ConstrainedDecodingUnavailableError,
     ContextOverflowError,
     LocalrunError,
     RemoteAuthError,
     RemoteError,
     RemoteModelNotFoundError,
+    TokenCountUnavailableError,
 )
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
@@ -89,6 +106,11 @@ class ServerTokens(Sequence[int]):
 @dataclass(frozen=True)
 class RemotePrompt(Prompt):
     messages: tuple[Message, ...] | None = None  # None: a raw-text completion prompt
+    #: OpenAI function tools for the server (None: none sent)
+    tools: tuple[dict[str, Any], ...] | None = None
+    #: a forced call (tool_choice "required" or a named tool): localrun pre-filled the
+    #: call's opening marker, so the first call's text starts at its JSON
+    forced: bool = False
 
 
 def error_message(body: bytes) -> str:
@@ -146,35 +168,72 @@ class OpenAIClient:
 
     def stream(self, path: str, body: dict[str, Any], cancel: CancelToken
                ) -> Iterator[dict[str, Any]]:
-        """POST a streaming request; yield each server-sent event's JSON until [DONE]."""
+        """POST a streaming request; yield each server-sent event's JSON until [DONE].
+        A :class:`ClosingCancel` shuts the connection down when cancelled."""
         url = f"{self.base_url}{path}"
+        closing = cancel if isinstance(cancel, ClosingCancel) else None
         try:
             with self._http.stream("POST", url, json=body) as r:
                 if r.status_code >= 400:
                     raise self.http_error(r.status_code, r.read(), model=body.get("model"))
-                for line in r.iter_lines():
-                    if cancel.cancelled:
-                        return  # leaving closes the connection: the server aborts
-                    if not line.startswith("data:"):
-                        continue  # comments, "event:" lines, blank separators
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    try:
-                        event = json.loads(data)
-                    except ValueError as e:
-                        raise RemoteError(self.base_url, f"unreadable stream event {data[:80]!r}",
-                                          status=r.status_code) from e
-                    if isinstance(event, dict) and "error" in event:
-                        # vLLM reports a failure after the 200 as an event
-                        err = event["error"]
-                        status = err.get("code") if isinstance(err, dict) else None
-                        raise self.http_error(status if isinstance(status, int) else 500,
-                                              json.dumps(event).encode(),
-                                              model=body.get("model"))
-                    yield event
+                if closing is not None:
+                    closing.attach(r)
+                try:
+                    yield from self._events(r, cancel, body.get("model"))
+                finally:
+                    # Detached before the connection can go back to the pool for another
+                    # request: a cancel that comes later must not shut that one down.
+                    if closing is not None:
+                        closing.detach()
+        except httpx2.HTTPError as e:
+            if cancel.cancelled:
+                return  # the connection we shut down ourselves
+            raise self._transport(e) from e
+
+    def _events(self, r: httpx2.Response, cancel: CancelToken, model: Any
+                ) -> Iterator[dict[str, Any]]:
+        for line in r.iter_lines():
+            if cancel.cancelled:
+                return  # leaving closes the connection: the server aborts
+            if not line.startswith("data:"):
+                continue  # comments, "event:" lines, blank separators
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            try:
+                event = json.loads(data)
+            except ValueError as e:
+                raise RemoteError(self.base_url, f"unreadable stream event {data[:80]!r}",
+                                  status=r.status_code) from e
+            if isinstance(event, dict) and "error" in event:
+                # vLLM reports a failure after the 200 as an event
+                err = event["error"]
+                status = err.get("code") if isinstance(err, dict) else None
+                raise self.http_error(status if isinstance(status, int) else 500,
+                                      json.dumps(event).encode(), model=model)
+            yield event
+
+    def tokenize(self, model: str, text: str) -> int:
+        """How many tokens the server's tokenizer makes of ``text`` as a completion
+        prompt (special tokens it adds included): ``POST /tokenize`` at the server's
+        root, as vLLM and SGLang serve it. A server without it: TokenCountUnavailableError."""
+        root = self.base_url[: -len("/v1")]
+        try:
+            r = self._http.post(f"{root}/tokenize", json={"model": model, "prompt": text})
         except httpx2.HTTPError as e:
             raise self._transport(e) from e
+        msg = error_message(r.content) if r.status_code >= 400 else ""
+        if r.status_code in (404, 405, 501) and model not in msg:
+            raise TokenCountUnavailableError(self.base_url, msg, status=r.status_code)
+        if r.status_code >= 400:
+            raise self.http_error(r.status_code, r.content, model=model)
+        try:
+            data = r.json()
+            count = data["count"] if "count" in data else len(data["tokens"])
+        except (ValueError, TypeError, KeyError) as e:
+            raise RemoteError(self.base_url, f"/tokenize answered no token count ({e})",
+                              status=r.status_code) from e
+        return int(count)
 
     def _transport(self, e: httpx2.HTTPError) -> RemoteError:
         if isinstance(e, httpx2.ConnectError):
@@ -195,6 +254,14 @@ class OpenAIClient:
         m = _CONTEXT.search(msg)
         if status == 400 and m:
             return ContextOverflowError(int(m.group(2)), int(m.group(1)))
+        if status == 400 and "tool-call-parser" in msg:
+            # vLLM: '"auto" tool choice requires --enable-auto-tool-choice and
+            # --tool-call-parser to be set'
+            return RemoteError(self.base_url, msg, status=status, hint=(
+                "the server was started without a tool-call parser: start it with "
+                "--enable-auto-tool-choice --tool-call-parser FORMAT (hermes, mistral, "
+                "llama3_json, pythonic), or force a call with tool_choice='required' or a "
+                "tool's name"))
         return RemoteError(self.base_url, msg, status=status)
 
 
@@ -224,7 +291,14 @@ def request_body(model: str, prompt: RemotePrompt, s: ResolvedSampling) -> dict[
         body["min_p"] = s.min_p
     if s.repetition_penalty != 1.0:
         body["repetition_penalty"] = s.repetition_penalty
-    if s.constraint is not None:
+    if prompt.tools:
+        # the server's own tool support: it renders them and parses the calls; the
+        # constraint localrun made for them is not sent. "strict" (OpenAI's field) makes
+        # it constrain each call's arguments to the tool's schema, as localrun does on
+        # every engine (vLLM 0.32 leaves them free without it, even for a forced call).
+        body["tools"] = [strict_tool(t) for t in prompt.tools]
+        body["tool_choice"] = tool_choice(prompt.forced, s.constraint)
+    elif s.constraint is not None:
         # the server's own structured output (vLLM: its guided-decoding backend)
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": re.sub(r"[^A-Za-z0-9_-]", "_", s.constraint.label)[:64] or "reply",
@@ -293,11 +367,20 @@ class RemoteSession(Session):
     def encode_text(self, text: str) -> Prompt:
         return RemotePrompt(ServerTokens(), text, None)
 
+    #: a conversation with tools comes through encode_rendered (see remote_tools)
+    chat_template = ENVELOPE_TEMPLATE
+
+    def encode_rendered(self, text: str) -> Prompt:
+        messages, tools, rest = read_envelope(text)
+        return RemotePrompt(ServerTokens(), None, tuple(messages),  # type: ignore[arg-type]
+                            tuple(tools) if tools else None, forced=bool(rest.strip()))
+
     def check_constraint(self, constraint: Constraint) -> None:
-        if constraint.tag is not None:
-            raise ConstrainedDecodingUnavailableError(
-                self.info.backend, "tool calls need the model's chat template, which stays "
-                "on the server; send tools to the server's own API instead")
+        """The server enforces what is sent: a schema as ``response_format``, a forced
+        call as ``tool_choice``; "auto" calls are the server's own parser's."""
+
+    def count_tokens(self, text: str) -> int:
+        return self._client.tokenize(self.model_id, text)
 
     # -- generation -------------------------------------------------------------------
 
@@ -309,67 +392,45 @@ class RemoteSession(Session):
         chat = prompt.messages is not None
         body = request_body(self.model_id, prompt, sampling)
         pieces = 0
-        for event in self._events("/chat/completions" if chat else "/completions", body,
-                                  cancel):
+        calls = CallWriter(primed=prompt.forced)
+        for event in self._request("/chat/completions" if chat else "/completions", body,
+                                   cancel):
             usage = event.get("usage")
             if isinstance(usage, dict):
                 if isinstance(prompt.tokens, ServerTokens):
                     prompt.tokens.known = int(usage.get("prompt_tokens") or 0)
                 stats.completion_tokens = int(usage.get("completion_tokens") or pieces)
             for choice in event.get("choices") or ():
-                piece = (choice.get("delta") or {}).get("content") if chat \
-                    else choice.get("text")
+                delta = choice.get("delta") or {}
+                text = delta.get("content") if chat else choice.get("text")
+                piece = (calls.close() + str(text)) if text else ""
+                if chat and delta.get("tool_calls"):
+                    piece += calls.feed(delta["tool_calls"])
+                finish = choice.get("finish_reason")
+                if finish:
+                    piece += calls.close()
                 if piece:
                     pieces += 1
                     stats.completion_tokens = max(stats.completion_tokens, pieces)
-                    yield str(piece)
-                finish = choice.get("finish_reason")
+                    yield piece
                 if finish:
                     stats.finish_reason = "length" if finish == "length" else "stop"
+        rest = calls.close()  # a stream that ended without a finish_reason
+        if rest:
+            yield rest
 
-    #: the server batches: Model.batch sends the items as concurrent requests
-    supports_batch = True
+    #: the server batches: every sequence goes out as its own concurrent request, a
+    #: lone one too (so that a call never waits for another to end)
+    batch_alone = True
+    _batcher: RequestBatcher | None = None
 
-    def generate_batch(self, prompts: Sequence[Prompt], samplings: Sequence[ResolvedSampling],
-                       cancels: Sequence[CancelToken], stats: Sequence[GenerationStats],
-                       max_concurrency: int | None) -> Iterator[tuple[int, str | None]]:
-        """One streaming request per sequence, up to ``max_concurrency`` at once (None:
-        all), each on its own thread; the server's scheduler does the batching."""
-        n = len(prompts)
-        out: queue.Queue[tuple[int, str | None] | BaseException] = queue.Queue()
-        slots = threading.Semaphore(max_concurrency or n)
+    def batcher(self) -> Batcher:
+        if self._batcher is None:
+            self._batcher = RequestBatcher(self.generate, self.info.backend)
+        return self._batcher
 
-        def work(i: int) -> None:
-            with slots:
-                try:
-                    if not cancels[i].cancelled:
-                        for piece in self.generate(prompts[i], samplings[i], cancels[i],
-                                                   stats[i]):
-                            out.put((i, piece))
-                    out.put((i, None))
-                except BaseException as e:  # handed to the consumer's thread
-                    out.put(e)
-
-        threads = [threading.Thread(target=work, args=(i,), daemon=True,
-                                    name=f"remote-batch-{i}") for i in range(n)]
-        for t in threads:
-            t.start()
-        finished = 0
-        try:
-            while finished < n:
-                item = out.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item[1] is None:
-                    finished += 1
-                yield item
-        finally:
-            if finished < n:  # closed early or failed: stop the requests still running
-                for c in cancels:
-                    c.cancel()
-
-    def _events(self, path: str, body: dict[str, Any], cancel: CancelToken
-                ) -> Iterator[dict[str, Any]]:
+    def _request(self, path: str, body: dict[str, Any], cancel: CancelToken
+                 ) -> Iterator[dict[str, Any]]:
         try:
             yield from self._client.stream(path, body, cancel)
         except ContextOverflowError as e:
@@ -381,6 +442,8 @@ class RemoteSession(Session):
             yield from self._client.stream(path, {**body, "max_tokens": room}, cancel)
 
     def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
         self._client.close()
 
 

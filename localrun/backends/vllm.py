@@ -7,6 +7,14 @@ process that leads its own process group and holds a pipe from us: when we close
 session, exit, are interrupted, or die outright (even SIGKILL), the pipe closes and the
 watchdog ends the whole group (vLLM and the engine-core workers it forks), SIGTERM and
 then SIGKILL. ``close()`` and an ``atexit`` hook do the same without waiting for that.
+
+While vLLM starts (a minute or more), each second's progress (seconds so far, vLLM's last
+log line) goes to the callback of :func:`startup_progress` (the CLI's progress line),
+else to the ``localrun.vllm`` logger. A model whose chat template takes tools in a
+format vLLM parses (hermes, mistral, llama3_json, pythonic) gets that format's
+``--tool-call-parser``, so ``tool_choice="auto"`` works; forced calls work on any model
+(vLLM constrains them); "auto" on a model whose template shows it no tools is refused
+before any request (:func:`tool_flags`).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import contextvars
 import logging
 import os
 import shlex
@@ -23,8 +32,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -32,7 +42,12 @@ import httpx2
 from localrun.backends.base import LoadRequest, Session, check_options
 from localrun.backends.remote import OpenAIClient, RemoteSession
 from localrun.backends.vllm_env import INSTALL_HINT, VllmEnv, find_vllm
-from localrun.errors import EngineNotInstalledError, VllmStartError
+from localrun.errors import (
+    ConstrainedDecodingUnavailableError,
+    EngineNotInstalledError,
+    VllmStartError,
+)
+from localrun.structured.constraint import Constraint
 
 log = logging.getLogger("localrun.vllm")
 
@@ -86,6 +101,21 @@ class Startup:
 
 
 StartupCallback = Callable[[Startup], None]
+
+_listener: contextvars.ContextVar[StartupCallback | None] = contextvars.ContextVar(
+    "localrun_vllm_startup", default=None)
+
+
+@contextlib.contextmanager
+def startup_progress(callback: StartupCallback) -> Iterator[None]:
+    """Send the startup progress of every vLLM loaded in this block (on this thread or
+    task) to ``callback``: ``localrun.load`` has no parameter for it, as only vLLM
+    takes a minute to come up. Without one, progress goes to the ``localrun.vllm`` log."""
+    token = _listener.set(callback)
+    try:
+        yield
+    finally:
+        _listener.reset(token)
 
 
 def free_port() -> int:
@@ -219,6 +249,38 @@ def _hint(lines: list[str]) -> str | None:
     return None
 
 
+#: vLLM's --tool-call-parser for each of localrun's tool-call formats (the same names)
+TOOL_PARSERS = {"hermes": "hermes", "mistral": "mistral", "llama3_json": "llama3_json",
+                "pythonic": "pythonic"}
+
+
+def tool_flags(model: str, extra_args: str | None) -> tuple[list[str], bool]:
+    """vLLM's tool flags for a model, and whether ``tool_choice="auto"`` can work.
+
+    vLLM takes no tool_choice at all, forced ones included (it constrains and reads those
+    itself), unless started with ``--enable-auto-tool-choice --tool-call-parser X``. X
+    is the model's format when its chat template takes tools in one vLLM parses, and
+    "auto" then works; else hermes (it needs nothing from the model's vocabulary), and
+    "auto" does not: the template would show the model no tools. No flags when
+    extra_args names a parser: the caller's choice, "auto" included."""
+    if "--tool-call-parser" in (extra_args or ""):
+        return [], True
+    parser = None
+    if Path(model).is_dir():  # a Hub name: its template is not here to read
+        from localrun.backends.hf_config import read_chat_template
+        from localrun.errors import LocalrunError
+        from localrun.structured.formats import detect_format
+
+        try:
+            fmt = detect_format(read_chat_template(Path(model)).template)
+        except LocalrunError:
+            fmt = None
+        if fmt is not None and fmt.native:
+            parser = TOOL_PARSERS.get(fmt.name)
+    return ["--enable-auto-tool-choice", "--tool-call-parser", parser or "hermes"], \
+        parser is not None
+
+
 def startup_progress_log(p: Startup) -> None:
     log.info("waiting for vLLM (%.0f s): %s", p.seconds, p.line[-120:])
 
@@ -250,9 +312,14 @@ class VllmSession(RemoteSession):
             child_env["OMP_NUM_THREADS"] = str(request.threads)
         args = serve_args(request.path, opts, request.context, port,
                           model_flag=env.model_flag)
+        flags, auto_tools = tool_flags(request.path, opts.get("extra_args"))
+        args += flags
+        #: whether tool_choice="auto" can work (the model's template shows it the tools)
+        self.auto_tools = auto_tools
+        report = progress or _listener.get() or startup_progress_log
         self.process = VllmProcess(env.command, args, port, env=child_env)
         try:
-            self.process.wait_healthy(timeout, progress or startup_progress_log)
+            self.process.wait_healthy(timeout, report)
             client = OpenAIClient(self.process.url)
             super().__init__(LoadRequest(request.path, request.format, request.context),
                              client=client, backend="vllm")
@@ -264,6 +331,15 @@ class VllmSession(RemoteSession):
         self.info = replace(self.info, engine_version=env.version or "unknown",
                             format=request.format, path=request.path,
                             device=request.device or "vllm")
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        if constraint.tag is not None and not self.auto_tools:  # tool_choice="auto"
+            raise ConstrainedDecodingUnavailableError(
+                "vllm", "this model's chat template renders no tools, so with "
+                "tool_choice='auto' the model would never see them",
+                hint="force a call (tool_choice='required' or a tool's name), which vLLM "
+                "constrains; or load the model with a local engine (--backend), which "
+                "lists the tools in localrun's own prompt")
 
     def close(self) -> None:
         try:

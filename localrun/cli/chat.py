@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 
@@ -16,9 +16,6 @@ from localrun.cli import options as o
 #: so within 182 tokens; the other 4 ran to the general limit (1,024), 3 of them stuck
 #: repeating one phrase. Past ~200 tokens it has nothing left to say.
 EMBEDDED_CHAT_MAX_TOKENS = 256
-MaxTokens = Annotated[int | None, typer.Option(
-    "--max-tokens", "-n", help="Most tokens per reply (default 1024; "
-    f"{EMBEDDED_CHAT_MAX_TOKENS} for the embedded model).")]
 
 HELP = """\
 Commands:
@@ -65,6 +62,13 @@ def _stats_line(c: Any) -> str:
     return (f"{c.usage.prompt_tokens} prompt + {c.usage.completion_tokens} reply tokens · "
             f"TTFT {t.ttft * 1000:.0f} ms · prefill {t.prefill_tps:.0f} tok/s · "
             f"decode {t.decode_tps:.1f} tok/s · {t.total:.2f} s · finish: {c.finish_reason}")
+
+
+def _header(m: Any, name: str | None) -> str:
+    i = m.info
+    quant = f" {i.quantization}" if i.quantization else ""
+    return (f"{name or i.name or i.path} · {i.backend} {i.engine_version} · "
+            f"{i.format}{quant} · context {i.context_length}")
 
 
 def _is_embedded(m: Any) -> bool:
@@ -118,25 +122,14 @@ def _dim(line: str) -> None:
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"[dim]{escape(line)}[/]")
 
 
+@o.with_groups
 def chat(
     model: o.ModelArg = None,
-    max_tokens: MaxTokens = None,
-    temperature: o.Temperature = None,
-    top_p: o.TopP = None,
-    top_k: o.TopK = None,
-    min_p: o.MinP = None,
-    repetition_penalty: o.RepPenalty = None,
-    seed: o.Seed = None,
-    stop: o.Stop = None,
-    system: o.System = None,
-    context: o.Context = None,
-    backend: o.Backend = "auto",
-    allow_unoptimized: o.AllowUnoptimized = False,
-    base_url: o.BaseUrl = None,
-    api_key: o.ApiKey = None,
-    vllm_python: o.VllmPython = None,
-    schema: o.SchemaFile = None,
-    json_object: o.JsonObject = False,
+    *,
+    sampling: o.SamplingFlags,
+    prompting: o.PromptFlags,
+    loading: o.LoadingFlags,
+    remote: o.RemoteFlags,
 ) -> None:
     """Chat with a model in the terminal (default: the embedded SmolLM2-135M).
 
@@ -154,30 +147,24 @@ def chat(
 
       echo "What is the capital of France?" | localrun chat
     """
-    from localrun.api import make_sampling
     from localrun.cli._input import CONVERT, bad_byte_message, check_text, read_stdin
     from localrun.errors import ContextOverflowError, LocalrunError
 
-    sampling = o.sampling_kwargs(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                 top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                                 seed=seed, stop=stop)
-    make_sampling(**sampling)
-    structured = o.structured_kwargs(schema, json_object)
+    options = sampling.kwargs()
+    structured = prompting.structured()
     convert = f"convert it first: {CONVERT} FILE | localrun chat"
-    if system is not None:
-        check_text("--system", system, hint="pass UTF-8 text")
+    prompting.check_system()
     interactive = sys.stdin.isatty()
     if not interactive:
         text = read_stdin(hint=convert)
         if not text.strip():
             raise LocalrunError("No input on stdin", hint='echo "your question" | localrun chat')
 
-    with o.load_model(model, backend, context, allow_unoptimized,
-                      base_url=base_url, api_key=api_key, vllm_python=vllm_python) as m:
-        if "max_tokens" not in sampling and _is_embedded(m):
-            sampling["max_tokens"] = EMBEDDED_CHAT_MAX_TOKENS
+    with loading.load(model, remote) as m:
+        if "max_tokens" not in options and _is_embedded(m):
+            options["max_tokens"] = EMBEDDED_CHAT_MAX_TOKENS
         history: list[dict[str, str]] = []
-        system_prompt = system
+        system_prompt = prompting.system
 
         def conversation() -> list[Any]:
             head = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -186,14 +173,14 @@ def chat(
         if not interactive:
             history.append({"role": "user", "content": text})
             reply = _Reply()
-            with m.stream(conversation(), **structured, **sampling) as stream:
+            with m.stream(conversation(), **structured, **options) as stream:
                 _print_reply(stream, reply)
             sys.stdout.write("\n")
             if reply.note:
                 _dim(reply.note)
             return
 
-        sys.stderr.write(o.header(m, model) + "\n")
+        sys.stderr.write(_header(m, model) + "\n")
         sys.stderr.write("Type /help for commands, Ctrl-D to exit.\n")
         last = None
         with contextlib.suppress(ImportError):
@@ -239,7 +226,7 @@ def chat(
                     sys.stderr.write(f"Unknown command {cmd}; /help lists them.\n")
                 continue
             history.append({"role": "user", "content": message})
-            stream = m.stream(conversation(), **structured, **sampling)
+            stream = m.stream(conversation(), **structured, **options)
             reply = _Reply()
             try:
                 _print_reply(stream, reply)

@@ -114,9 +114,9 @@ def _engines(console: Console, installed: dict[str, str]) -> None:
 
     console.print("[bold]Engines[/]")
     for name, spec in BACKENDS.items():
-        if name == "remote":
+        if spec.home == "nowhere":
             continue  # a server elsewhere, not an engine here
-        if name == "vllm":
+        if spec.home == "own-env":
             _vllm(console)
             continue
         if name in installed:

@@ -317,6 +317,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+@o.with_groups
 def generate(
     model: o.ModelArg = None,
     input: Annotated[Path, typer.Option("--input", "-i", help="Prompts: JSONL lines "
@@ -335,23 +336,11 @@ def generate(
                             "jsonl or text.")] = "auto",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show the "
                         "progress bar on stderr.")] = True,
-    max_tokens: o.MaxTokens = None,
-    temperature: o.Temperature = None,
-    top_p: o.TopP = None,
-    top_k: o.TopK = None,
-    min_p: o.MinP = None,
-    repetition_penalty: o.RepPenalty = None,
-    seed: o.Seed = None,
-    stop: o.Stop = None,
-    system: o.System = None,
-    context: o.Context = None,
-    backend: o.Backend = "auto",
-    allow_unoptimized: o.AllowUnoptimized = False,
-    base_url: o.BaseUrl = None,
-    api_key: o.ApiKey = None,
-    vllm_python: o.VllmPython = None,
-    schema: o.SchemaFile = None,
-    json_object: o.JsonObject = False,
+    *,
+    sampling: o.SamplingFlags,
+    prompting: o.PromptFlags,
+    loading: o.LoadingFlags,
+    remote: o.RemoteFlags,
 ) -> None:
     """Run every prompt of a file and append each result to a JSONL file as it finishes.
 
@@ -372,7 +361,6 @@ def generate(
     """
     from rich.console import Console
 
-    from localrun.api import make_sampling
     from localrun.errors import LocalrunError
 
     err = Console(stderr=True, soft_wrap=True)  # whole lines: stderr is often a log
@@ -390,17 +378,11 @@ def generate(
     if input.resolve() == output.resolve():
         raise LocalrunError("--input and --output are the same file",
                             hint="write the results to another file")
-    sampling = o.sampling_kwargs(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                 top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                                 seed=seed, stop=stop)
-    make_sampling(**sampling)  # validate flags before reading or loading anything
-    structured = o.structured_kwargs(schema, json_object)
-    if system is not None:
-        from localrun.cli._input import check_text
+    options = sampling.kwargs()  # checked before reading or loading anything
+    structured = prompting.structured()
+    prompting.check_system()
 
-        check_text("--system", system, hint="pass UTF-8 text")
-
-    records = read_input(input, input_format, system)  # type: ignore[arg-type]
+    records = read_input(input, input_format, prompting.system)  # type: ignore[arg-type]
     check_duplicates(records, input)
     bad = [r for r in records if r.error]
     if fail_fast and bad:
@@ -425,11 +407,10 @@ def generate(
                   highlight=False)
         return
 
-    with o.load_model(model, backend, context, allow_unoptimized,
-                      base_url=base_url, api_key=api_key, vllm_python=vllm_python) as m:
+    with loading.load(model, remote) as m:
         out = Output(output, previous.size, redo & {r.key for r in todo})
         try:
-            _run(m, out, todo, {**structured, **sampling}, concurrency, fail_fast, progress,
+            _run(m, out, todo, {**structured, **options}, concurrency, fail_fast, progress,
                  tally, err, len(records))
         finally:
             out.close()

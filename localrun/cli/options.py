@@ -1,165 +1,279 @@
-"""Flags shared by chat, run and generate."""
+"""Command-line options declared once, in groups that every command shares.
+
+A group is a frozen dataclass whose fields are typer options. A command takes the whole
+group as one keyword parameter (``sampling: o.SamplingFlags``) and is wrapped in
+:func:`with_groups`, which spreads the group's fields into the signature typer reads and
+gathers the parsed values back into the dataclass for the call. So a flag's name, default,
+help text and ``--help`` heading are written here once, and every command that takes a
+group offers exactly the same flags (tests/test_cli_options.py holds them to that).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import typing
+from collections.abc import Callable
+from copy import copy
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import typer
+
+from localrun.errors import LocalrunError
 
 ModelArg = Annotated[
     str | None,
     typer.Argument(help="Model: a .gguf file, a model folder, or a name such as smollm2:135m "
                    "(default: the embedded SmolLM2-135M-Instruct)."),
 ]
-MaxTokens = Annotated[int | None, typer.Option("--max-tokens", "-n", help="Most tokens to generate (default 1024).")]
-Temperature = Annotated[float | None, typer.Option("--temperature", "-t", help="0 = greedy; higher = more varied (default: the model's own, else 0.7).")]
-TopP = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling, 0 < p <= 1 (1 = off).")]
-TopK = Annotated[int | None, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
-MinP = Annotated[float | None, typer.Option("--min-p", help="Drop tokens below p x the top probability (0 = off).")]
-RepPenalty = Annotated[float | None, typer.Option("--repetition-penalty", help="Penalize repeated tokens (1 = off).")]
-Seed = Annotated[int | None, typer.Option("--seed", help="Seed for reproducible sampling.")]
-Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop at this string (repeatable); it is not printed.")]
-System = Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")]
-Context = Annotated[int | None, typer.Option("--context", "-c", help="Context window in tokens (default: the model's, up to 8192).")]
-Backend = Annotated[str, typer.Option("--backend", "-b", help="Engine: auto, llama.cpp, mlx, exllamav2, exllamav3, openvino, onnx, vllm, remote.")]
-AllowUnoptimized = Annotated[bool, typer.Option("--allow-unoptimized", help="Let an engine load a format it runs without its optimized kernels.")]
-BaseUrl = Annotated[str | None, typer.Option("--base-url", envvar="LOCALRUN_BASE_URL", help="An OpenAI-compatible server to run on (vLLM, SGLang, localrun serve), e.g. http://host:8000/v1; implies --backend remote.")]
-ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="LOCALRUN_REMOTE_API_KEY", help="Key for --base-url's server (sent as a Bearer token).")]
-VllmPython = Annotated[str | None, typer.Option("--vllm-python", envvar="LOCALRUN_VLLM_PYTHON", help="Python of the environment vLLM is installed in (--backend vllm).")]
+#: Also taken alone by `pull`, whose other engine flags are its own.
+Context = Annotated[int | None, typer.Option(
+    "--context", "-c", help="Context window in tokens (default: the model's, up to 8192).")]
 
 
-def remote_options(backend: str, base_url: str | None, api_key: str | None,
-                   vllm_python: str | None = None) -> tuple[str, dict[str, Any]]:
-    """The backend and engine options --base-url / --api-key / --vllm-python mean."""
-    opts: dict[str, Any] = {}
-    if base_url:
-        if backend not in ("auto", "remote"):
-            from localrun.errors import LocalrunError
+@dataclasses.dataclass(frozen=True)
+class OptionGroup:
+    """Base of the option groups; ``panel`` is the ``--help`` heading of their flags."""
 
-            raise LocalrunError(f"--base-url runs on a server, not on --backend {backend}",
-                                hint="drop --backend, or use --backend remote")
-        backend = "remote"
-        opts["base_url"] = base_url
-        if api_key:
-            opts["api_key"] = api_key
-    if vllm_python and backend == "vllm":
-        opts["vllm_python"] = vllm_python
-    return backend, opts
-SchemaFile = Annotated[Path | None, typer.Option("--schema", help="Reply with JSON matching this JSON Schema file, enforced by constrained decoding.")]
-JsonObject = Annotated[bool, typer.Option("--json-object", help="Reply with one JSON object (any keys), enforced by constrained decoding.")]
+    panel: ClassVar[str]
+
+    @classmethod
+    def options(cls) -> dict[str, Any]:
+        """Each field's ``Annotated[type, typer.Option]``, under the group's heading."""
+        hints = typing.get_type_hints(cls, include_extras=True)
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            base, info = typing.get_args(hints[f.name])
+            info = copy(info)  # typer copies it again per command; the original stays bare
+            info.rich_help_panel = cls.panel
+            out[f.name] = Annotated[base, info]
+        return out
 
 
-def sampling_kwargs(**flags: Any) -> dict[str, Any]:
-    """Keep only the flags the user set."""
-    out = {k: v for k, v in flags.items() if v is not None}
-    if "stop" in out and not out["stop"]:
-        del out["stop"]
-    return out
+@dataclasses.dataclass(frozen=True)
+class SamplingFlags(OptionGroup):
+    """How each reply is sampled: one flag per localrun sampling option."""
+
+    panel: ClassVar[str] = "Sampling"
+
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", "-n", help="Most tokens to generate (default 1024; 256 per reply in "
+        "chat with the embedded model).")] = None
+    temperature: Annotated[float | None, typer.Option(
+        "--temperature", "-t",
+        help="0 = greedy; higher = more varied (default: the model's own, else 0.7).")] = None
+    top_p: Annotated[float | None, typer.Option(
+        "--top-p", help="Nucleus sampling, 0 < p <= 1 (1 = off).")] = None
+    top_k: Annotated[int | None, typer.Option(
+        "--top-k", help="Keep the k most likely tokens (0 = off).")] = None
+    min_p: Annotated[float | None, typer.Option(
+        "--min-p", help="Drop tokens below p x the top probability (0 = off).")] = None
+    repetition_penalty: Annotated[float | None, typer.Option(
+        "--repetition-penalty", help="Penalize repeated tokens (1 = off).")] = None
+    seed: Annotated[int | None, typer.Option(
+        "--seed", help="Seed for reproducible sampling.")] = None
+    stop: Annotated[list[str] | None, typer.Option(
+        "--stop", help="Stop at this string (repeatable); it is not printed.")] = None
+
+    def kwargs(self) -> dict[str, Any]:
+        """The options the user set, checked now so a bad flag fails before any load."""
+        from localrun.sampling import make_sampling
+
+        out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        if "stop" in out and not out["stop"]:
+            del out["stop"]
+        make_sampling(**out)
+        return out
 
 
-def structured_kwargs(schema: Path | None, json_object: bool) -> dict[str, Any]:
-    """``schema=``/``response_format=`` for ``--schema FILE`` / ``--json-object``, read and
-    checked before any model loads."""
-    import json
+@dataclasses.dataclass(frozen=True)
+class PromptFlags(OptionGroup):
+    """The system prompt and the shape the reply must have."""
 
-    from localrun.errors import LocalrunError
+    panel: ClassVar[str] = "Prompt and reply"
 
-    if schema is not None and json_object:
-        raise LocalrunError("--schema and --json-object both say what the reply is",
-                            hint="pass one of them (--schema FILE already means JSON)")
-    if json_object:
-        return {"response_format": {"type": "json_object"}}
-    if schema is None:
-        return {}
-    try:
-        value = json.loads(schema.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise LocalrunError(f"Cannot read --schema {schema}: {e.strerror or e}",
-                            hint="pass the path of a JSON Schema file") from e
-    except (ValueError, UnicodeDecodeError) as e:
-        raise LocalrunError(f"--schema {schema} is not JSON: {e}",
-                            hint="the file must hold one JSON Schema object") from e
-    from localrun.structured.output import prepare
+    system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None
+    schema: Annotated[Path | None, typer.Option(
+        "--schema", help="Reply with JSON matching this JSON Schema file, enforced by "
+        "constrained decoding.")] = None
+    json_object: Annotated[bool, typer.Option(
+        "--json-object", help="Reply with one JSON object (any keys), enforced by "
+        "constrained decoding.")] = False
 
-    prepare(schema=value)  # a malformed or unenforceable schema fails here, not mid-load
-    return {"schema": value}
+    def check_system(self) -> None:
+        if self.system is not None:
+            from localrun.cli._input import check_text
 
+            check_text("--system", self.system, hint="pass UTF-8 text")
 
-def load_model(model: str | None, backend: str, context: int | None,
-               allow_unoptimized: bool = False, *, base_url: str | None = None,
-               api_key: str | None = None, vllm_python: str | None = None) -> Any:
-    """Load for a command: explain a Hub plan and show download progress on stderr,
-    and turn the "runs without optimized kernels" warning into one line."""
-    import sys
-    import warnings
+    def structured(self) -> dict[str, Any]:
+        """``schema=``/``response_format=`` for ``--schema FILE`` / ``--json-object``, read
+        and checked before any model loads."""
+        import json
 
-    from rich.console import Console
-
-    from localrun.api import load
-    from localrun.errors import UnoptimizedFormatWarning
-
-    backend, engine_options = remote_options(backend, base_url, api_key, vllm_python)
-    console = Console(stderr=True, highlight=False)
-    bar = _DownloadBar(console)
-
-    def on_plan(plan: Any, fetch_plan: Any) -> None:
-        from localrun.cli.pull import print_plan
-
-        if fetch_plan.download_bytes:
-            console.print(f"[bold]Engine[/]: {plan.backend} on {plan.device}")
-            print_plan(console, fetch_plan)
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", UnoptimizedFormatWarning)
+        if self.schema is not None and self.json_object:
+            raise LocalrunError("--schema and --json-object both say what the reply is",
+                                hint="pass one of them (--schema FILE already means JSON)")
+        if self.json_object:
+            return {"response_format": {"type": "json_object"}}
+        if self.schema is None:
+            return {}
         try:
-            model_obj = load(model, backend=backend, context=context,
-                             allow_unoptimized=allow_unoptimized, on_plan=on_plan,
+            value = json.loads(self.schema.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise LocalrunError(f"Cannot read --schema {self.schema}: {e.strerror or e}",
+                                hint="pass the path of a JSON Schema file") from e
+        except (ValueError, UnicodeDecodeError) as e:
+            raise LocalrunError(f"--schema {self.schema} is not JSON: {e}",
+                                hint="the file must hold one JSON Schema object") from e
+        from localrun.structured.output import prepare
+
+        prepare(schema=value)  # a malformed or unenforceable schema fails here, not mid-load
+        return {"schema": value}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadingFlags(OptionGroup):
+    """Which engine loads the model, and how."""
+
+    panel: ClassVar[str] = "Model loading"
+
+    context: Context = None
+    backend: Annotated[str, typer.Option(
+        "--backend", "-b", help="Engine: auto, llama.cpp, mlx, exllamav2, exllamav3, openvino, "
+        "onnx, vllm, remote.")] = "auto"
+    allow_unoptimized: Annotated[bool, typer.Option(
+        "--allow-unoptimized",
+        help="Let an engine load a format it runs without its optimized kernels.")] = False
+
+    def load(self, model: str | None, remote: RemoteFlags | None = None) -> Any:
+        """Load for a command: explain a Hub plan and show download progress on stderr,
+        and turn the "runs without optimized kernels" warning into one line."""
+        import sys
+        import warnings
+
+        from rich.console import Console
+
+        from localrun.api import load
+        from localrun.cli._download import DownloadBar, print_plan
+        from localrun.cli._startup import StartupLine
+        from localrun.errors import UnoptimizedFormatWarning
+
+        backend, engine_options = (remote or RemoteFlags()).resolve(self.backend)
+        console = Console(stderr=True, highlight=False)
+
+        def on_plan(plan: Any, fetch_plan: Any) -> None:
+            if fetch_plan.download_bytes:
+                console.print(f"[bold]Engine[/]: {plan.backend} on {plan.device}")
+                print_plan(console, fetch_plan)
+
+        with warnings.catch_warnings(record=True) as caught, DownloadBar(console) as bar, \
+                StartupLine(console):
+            warnings.simplefilter("always", UnoptimizedFormatWarning)
+            model_obj = load(model, backend=backend, context=self.context,
+                             allow_unoptimized=self.allow_unoptimized, on_plan=on_plan,
                              progress=bar.report, **engine_options)
-        finally:
-            bar.close()
-    for w in caught:
-        if issubclass(w.category, UnoptimizedFormatWarning):
-            sys.stderr.write(f"warning: {w.message}\n")
-    return model_obj
+        for w in caught:
+            if issubclass(w.category, UnoptimizedFormatWarning):
+                sys.stderr.write(f"warning: {w.message}\n")
+        return model_obj
 
 
-class _DownloadBar:
-    """A rich progress bar started at the first byte and closed after the download."""
+@dataclasses.dataclass(frozen=True)
+class RemoteFlags(OptionGroup):
+    """Engines that run outside this process: a server, or vLLM in its own environment."""
 
-    def __init__(self, console: Any) -> None:
-        self._console = console
-        self._progress: Any = None
-        self._task: Any = None
+    panel: ClassVar[str] = "Model loading"
 
-    def report(self, p: Any) -> None:
-        if self._progress is None:
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
+    base_url: Annotated[str | None, typer.Option(
+        "--base-url", envvar="LOCALRUN_BASE_URL",
+        help="An OpenAI-compatible server to run on (vLLM, SGLang, localrun serve), e.g. "
+        "http://host:8000/v1; implies --backend remote.")] = None
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="LOCALRUN_REMOTE_API_KEY",
+        help="Key for --base-url's server (sent as a Bearer token).")] = None
+    vllm_python: Annotated[str | None, typer.Option(
+        "--vllm-python", envvar="LOCALRUN_VLLM_PYTHON",
+        help="Python of the environment vLLM is installed in (--backend vllm).")] = None
 
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(),
-                                      DownloadColumn(), TransferSpeedColumn(),
-                                      TimeRemainingColumn(), console=self._console)
-            self._progress.start()
-            self._task = self._progress.add_task("downloading", total=p.total or None)
-        name = p.file.rsplit("/", 1)[-1][:40]
-        self._progress.update(self._task, advance=p.delta,
-                              description=f"[{p.index}/{p.count}] {name}")
-
-    def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
+    def resolve(self, backend: str) -> tuple[str, dict[str, Any]]:
+        """The backend and engine options --base-url / --api-key / --vllm-python mean."""
+        opts: dict[str, Any] = {}
+        if self.base_url:
+            if backend not in ("auto", "remote"):
+                raise LocalrunError(f"--base-url runs on a server, not on --backend {backend}",
+                                    hint="drop --backend, or use --backend remote")
+            backend = "remote"
+            opts["base_url"] = self.base_url
+            if self.api_key:
+                opts["api_key"] = self.api_key
+        if self.vllm_python and backend == "vllm":
+            opts["vllm_python"] = self.vllm_python
+        return backend, opts
 
 
-def header(model: Any, name: str | None) -> str:
-    i = model.info
-    quant = f" {i.quantization}" if i.quantization else ""
-    return (f"{name or i.name or i.path} · {i.backend} {i.engine_version} · "
-            f"{i.format}{quant} · context {i.context_length}")
+@dataclasses.dataclass(frozen=True)
+class DownloadFlags(OptionGroup):
+    """What to plan and download for: the quant, and another machine."""
+
+    panel: ClassVar[str] = "Download"
+
+    quant: Annotated[str | None, typer.Option(
+        "--quant", "-q", help="Quant to plan for and download: Q4_K_M, 4bit, int4, 4.0bpw, "
+        "…")] = None
+    hardware: Annotated[str | None, typer.Option(
+        "--hardware", help="Plan for another machine: a JSON profile as printed by "
+        "'localrun doctor --json'.")] = None
+
+    def profile(self) -> Any:
+        """The described machine (a HardwareProfile), or None for this one."""
+        if not self.hardware:
+            return None
+        from localrun.hardware import HardwareProfile
+
+        return HardwareProfile.load(self.hardware)
+
+
+#: Every group, for the tests that hold commands to them.
+GROUPS: tuple[type[OptionGroup], ...] = (SamplingFlags, PromptFlags, LoadingFlags,
+                                         RemoteFlags, DownloadFlags)
+
+
+def with_groups(func: Callable[..., None]) -> Callable[..., None]:
+    """Let typer see each group parameter of ``func`` as the group's own flags.
+
+    Every parameter becomes keyword-only in the signature typer reads (typer passes
+    keywords; the groups' fields take a group's place, in its order). The wrapper keeps
+    ``__cli_groups__`` (parameter name -> group) for the tests.
+    """
+    groups: dict[str, type[OptionGroup]] = {}
+    params: list[inspect.Parameter] = []
+    for p in inspect.signature(func, eval_str=True).parameters.values():
+        group = p.annotation
+        if not (isinstance(group, type) and issubclass(group, OptionGroup)):
+            params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+            continue
+        groups[p.name] = group
+        defaults = {f.name: f.default for f in dataclasses.fields(group)}
+        params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                     default=defaults[name], annotation=hint)
+                   for name, hint in group.options().items()]
+    names = [p.name for p in params]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:  # two groups, or a group and the command, would fight over one parameter
+        raise TypeError(f"{func.__qualname__}: parameter {clash[0]!r} is declared twice")
+    fields = {name: [f.name for f in dataclasses.fields(g)]
+              for name, g in groups.items()}
+
+    def command(**kwargs: Any) -> None:
+        for name, group in groups.items():
+            kwargs[name] = group(**{f: kwargs.pop(f) for f in fields[name]})
+        func(**kwargs)
+
+    for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(command, attr, getattr(func, attr))
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__cli_groups__ = groups  # type: ignore[attr-defined]
+    return command

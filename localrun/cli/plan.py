@@ -15,27 +15,21 @@ if TYPE_CHECKING:
     from localrun.selection import Plan
 
 
+@o.with_groups
 def plan(
-    model: Annotated[str | None, typer.Argument(
-        help="Model: a .gguf file, a model folder, or a name such as smollm2:135m "
-        "(default: the embedded SmolLM2-135M-Instruct).")] = None,
-    backend: o.Backend = "auto",
-    hardware: Annotated[str | None, typer.Option(
-        "--hardware", help="Plan for another machine: a JSON profile as printed by "
-        "'localrun doctor --json'.")] = None,
+    model: o.ModelArg = None,
     engines: Annotated[str | None, typer.Option(
         "--engines", help="Comma-separated engines to assume installed (default: the ones "
         "installed here; with --hardware: all).")] = None,
     embed: Annotated[bool, typer.Option(
         "--embed", help="Plan for embedding in an application (ONNX Runtime GenAI first).")]
     = False,
-    allow_unoptimized: o.AllowUnoptimized = False,
-    context: o.Context = None,
-    quant: Annotated[str | None, typer.Option(
-        "--quant", "-q", help="Plan for this quant: Q4_K_M, 4bit, int4, 4.0bpw, …")] = None,
     no_hub: Annotated[bool, typer.Option(
         "--no-hub", help="Skip the Hub step (repo, files, memory fit).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    *,
+    loading: o.LoadingFlags,
+    download: o.DownloadFlags,
 ) -> None:
     """Show which engine, format, quantization and device would run MODEL, and why.
 
@@ -50,10 +44,9 @@ def plan(
       localrun doctor --json > mac.json; localrun plan qwen2.5:7b --hardware mac.json
     """
     from localrun.backends import BACKENDS, canonical_backend, installed_backends
-    from localrun.hardware import HardwareProfile
     from localrun.planning import plan as make_plan
 
-    profile = HardwareProfile.load(hardware) if hardware else None
+    profile = download.profile()
     if engines is not None:
         names = [canonical_backend(e) for e in engines.split(",") if e.strip()]
         installed: dict[str, str] | None = {n: "assumed" for n in names}
@@ -61,9 +54,10 @@ def plan(
         installed = {n: "assumed" for n in BACKENDS}
     else:
         installed = installed_backends()
-    result = make_plan(model, backend=backend, hardware=profile, installed=installed,
-                       prefer="embed" if embed else "auto", allow_unoptimized=allow_unoptimized,
-                       context=context, quant=quant, hub=not no_hub)
+    result = make_plan(model, backend=loading.backend, hardware=profile, installed=installed,
+                       prefer="embed" if embed else "auto",
+                       allow_unoptimized=loading.allow_unoptimized, context=loading.context,
+                       quant=download.quant, hub=not no_hub)
     if json_out:
         sys.stdout.write(result.to_json() + "\n")
         return

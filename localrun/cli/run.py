@@ -11,6 +11,7 @@ import typer
 from localrun.cli import options as o
 
 
+@o.with_groups
 def run(
     model: Annotated[str, typer.Argument(help="Model: a .gguf file, a model folder, or a "
                                          "name such as smollm2:135m.")],
@@ -19,23 +20,11 @@ def run(
                                            "(text, finish_reason, usage, timings, info).")] = False,
     raw: Annotated[bool, typer.Option("--raw", help="Complete the text as is, without the "
                                       "chat template.")] = False,
-    max_tokens: o.MaxTokens = None,
-    temperature: o.Temperature = None,
-    top_p: o.TopP = None,
-    top_k: o.TopK = None,
-    min_p: o.MinP = None,
-    repetition_penalty: o.RepPenalty = None,
-    seed: o.Seed = None,
-    stop: o.Stop = None,
-    system: o.System = None,
-    context: o.Context = None,
-    backend: o.Backend = "auto",
-    allow_unoptimized: o.AllowUnoptimized = False,
-    base_url: o.BaseUrl = None,
-    api_key: o.ApiKey = None,
-    vllm_python: o.VllmPython = None,
-    schema: o.SchemaFile = None,
-    json_object: o.JsonObject = False,
+    *,
+    sampling: o.SamplingFlags,
+    prompting: o.PromptFlags,
+    loading: o.LoadingFlags,
+    remote: o.RemoteFlags,
 ) -> None:
     """Answer one prompt and exit; the reply streams to stdout.
 
@@ -63,28 +52,22 @@ def run(
         prompt = read_stdin(hint=f"convert it first: {convert}")
     else:
         check_text("The prompt", prompt, hint=f"pass UTF-8 text, or pipe it: {convert}")
-    if system is not None:
-        check_text("--system", system, hint="pass UTF-8 text")
+    prompting.check_system()
     if not prompt.strip():
         raise LocalrunError("The prompt is empty", hint=f"localrun run {model} \"your question\"")
-    sampling = o.sampling_kwargs(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                 top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                                 seed=seed, stop=stop)
-    from localrun.api import make_sampling  # validate flags before loading anything
-
-    make_sampling(**sampling)
-    structured = o.structured_kwargs(schema, json_object)
-    with o.load_model(model, backend, context, allow_unoptimized,
-                      base_url=base_url, api_key=api_key, vllm_python=vllm_python) as m:
+    options = sampling.kwargs()  # checked before loading anything
+    structured = prompting.structured()
+    system = prompting.system
+    with loading.load(model, remote) as m:
         if raw:
             if system:
                 raise LocalrunError("--system has no meaning with --raw",
                                     hint="drop one of them")
-            stream = m.stream(prompt, raw=True, **structured, **sampling)
+            stream = m.stream(prompt, raw=True, **structured, **options)
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
-            stream = m.stream(messages, **structured, **sampling)
+            stream = m.stream(messages, **structured, **options)
         with stream:
             if json_out:
                 completion = stream.join()

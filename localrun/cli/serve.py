@@ -17,6 +17,7 @@ from localrun.server.config import (
 )
 
 
+@o.with_groups
 def serve(
     models: Annotated[list[str] | None, typer.Argument(
         help="Models to load now and keep loaded (any name localrun accepts). Others load "
@@ -28,8 +29,10 @@ def serve(
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="LOCALRUN_API_KEY", show_envvar=True,
         help="Require 'Authorization: Bearer KEY' on every route but /health.")] = None,
-    parallel: Annotated[int, typer.Option("--parallel", help="Sequences one model runs at "
-                        "once. Every engine runs one at a time in this release.")] = 1,
+    parallel: Annotated[int | None, typer.Option(
+        "--parallel", help="Requests one model runs at once, together in its engine's batch; "
+        "an engine that does not batch runs one at a time. Default: the engine's capacity, "
+        "at most 4 on the CPU.", show_default=False)] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait for "
                          "a busy model; more get 429 with Retry-After.")] = DEFAULT_MAX_QUEUE,
     keep_alive: Annotated[str, typer.Option("--keep-alive", help="How long an idle model "
@@ -53,16 +56,16 @@ def serve(
         "first.")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback --host "
                         "without --api-key.")] = False,
-    context: o.Context = None,
-    backend: o.Backend = "auto",
-    allow_unoptimized: o.AllowUnoptimized = False,
+    *,
+    loading: o.LoadingFlags,
 ) -> None:
     """Serve models over the OpenAI API (/v1) and the Ollama API (/api).
 
     Clients made for OpenAI or Ollama work unchanged: point them at the URL
-    printed at start. Requests to one model queue (up to --max-queue); a
-    client that disconnects stops its generation; SIGTERM drains in-flight
-    requests, then exits.
+    printed at start. A model runs up to --parallel requests at once where
+    its engine batches, one at a time otherwise; more queue (up to
+    --max-queue); a client that disconnects stops its generation; SIGTERM
+    drains in-flight requests, then exits.
 
     Examples:
 
@@ -94,15 +97,14 @@ def serve(
         request_timeout=request_timeout if request_timeout > 0 else None,
         drain_timeout=max(0.0, drain_timeout), max_request_bytes=int(max_request_mb * 2**20),
         max_memory=int(max_memory * 2**30) if max_memory is not None else None,
-        insecure=insecure, backend=backend, context=context,
-        allow_unoptimized=allow_unoptimized)
+        insecure=insecure, backend=loading.backend, context=loading.context,
+        allow_unoptimized=loading.allow_unoptimized)
     config.check()
     sock = bind(config.host, config.port)
     config = replace(config, port=sock.getsockname()[1])
     _setup_logging()
     manager = ModelManager(config, Metrics())
-    loaded = manager.preload(config.models, load=lambda name: o.load_model(
-        name, backend, context, allow_unoptimized))
+    loaded = manager.preload(config.models, load=loading.load)
     sys.stderr.write(banner(config, loaded))
     sys.stderr.flush()
     app = create_app(config, manager=manager)
@@ -128,24 +130,27 @@ def banner(config: Any, loaded: list[Any]) -> str:
 
     from localrun import __version__
     from localrun.server.config import format_duration
+    from localrun.server.manager import DEFAULT_PARALLEL_CPU
 
     url = config.url
     lines = [f"localrun serve {__version__} · {url}"]
     for m in loaded:
         i = m.info
         quant = f" {i.quantization}" if i.quantization else ""
+        at_once = "one request at a time" if m.slots == 1 else f"{m.slots} requests at once"
         lines.append(f"  model {m.name} · {i.backend} {i.engine_version} · {i.format}{quant} "
-                     f"· {i.device or 'cpu'} · context {i.context_length}")
+                     f"· {i.device or 'cpu'} · context {i.context_length} · {at_once}")
     keep = format_duration(config.keep_alive)
     lines.append(f"  {'other models' if loaded else 'models'} load on their first request "
                  f"(any name localrun accepts); idle ones unload after {keep}")
     lines.append(f"  OpenAI API {url}/v1 · Ollama API {url}/api · {url}/health · "
                  f"{url}/metrics")
-    lines.append(f"  each model runs one sequence at a time; up to {config.max_queue} "
-                 "requests wait, then 429")
-    if config.parallel > 1:
-        lines.append(f"  note: --parallel {config.parallel} has no effect yet: no engine "
-                     "runs concurrent sequences through the server in this release")
+    parallel = (f"up to {config.parallel}" if config.parallel is not None else
+                f"up to {DEFAULT_PARALLEL_CPU} on the CPU, the engine's capacity on a GPU")
+    lines.append("  a model runs one request at a time" if config.parallel == 1 else
+                 f"  a model whose engine batches runs {parallel} requests at once, others "
+                 "one at a time")
+    lines.append(f"  up to {config.max_queue} more requests wait per model, then 429")
     auth = "Bearer key required" if config.api_key else "off"
     cors = ", ".join(config.cors_origins) if config.cors_origins else "off"
     timeout = "none" if config.request_timeout is None else \

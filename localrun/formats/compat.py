@@ -44,6 +44,11 @@ class Condition:
     min_version: str | None = None  # engine version where this started to work
 
 
+def _needs_cc(backend: str) -> str:
+    major, minor = BACKENDS[backend].min_compute or (0, 0)
+    return f"NVIDIA GPU with compute capability >= {major}.{minor}"
+
+
 #: (format, backend) -> the engine versions / architectures the pairing depends on.
 CONDITIONS: dict[tuple[str, str], Condition] = {
     ("gguf", "llama.cpp"): Condition(
@@ -58,8 +63,8 @@ CONDITIONS: dict[tuple[str, str], Condition] = {
         quantizations=("F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K_S", "Q4_K_M", "Q6_K"),
         min_version="2025.2"),
     ("mlx", "mlx"): Condition("Metal on Apple Silicon; CPU only (slow) on Linux with mlx[cpu]"),
-    ("exl2", "exllamav2"): Condition("NVIDIA GPU with compute capability >= 6.0 (or ROCm)"),
-    ("exl3", "exllamav3"): Condition("NVIDIA GPU with compute capability >= 8.0 (Ampere+)"),
+    ("exl2", "exllamav2"): Condition(f"{_needs_cc('exllamav2')} (or ROCm)"),
+    ("exl3", "exllamav3"): Condition(f"{_needs_cc('exllamav3')} (Ampere+)"),
     ("openvino", "openvino"): Condition(
         "needs openvino_tokenizer.xml and openvino_detokenizer.xml beside the model"),
     ("onnx", "onnx"): Condition(
@@ -96,16 +101,7 @@ NOT_SERVED: dict[str, str] = {
 NATIVE_FORMAT: dict[str, str] = {b: spec.formats[0] for b, spec in BACKENDS.items()}
 
 #: How to turn a model into each backend's format yourself (one command, for hints).
-CONVERT: dict[str, str] = {
-    "llama.cpp": "convert_hf_to_gguf.py MODEL_DIR --outtype q8_0 (from llama.cpp)",
-    "mlx": "mlx_lm.convert --hf-path MODEL -q",
-    "exllamav2": "python exllamav2/convert.py -i MODEL_DIR -o WORK -cf OUT -b 4.0",
-    "exllamav3": "python exllamav3/convert.py -i MODEL_DIR -o OUT -w WORK -b 4.0",
-    "openvino": "optimum-cli export openvino --model MODEL --weight-format int4 OUT",
-    "onnx": "python -m onnxruntime_genai.models.builder -i MODEL_DIR -o OUT -p int4 -e cpu",
-    "vllm": "none needed: vLLM runs the Hub's safetensors (bf16/fp16, AWQ, GPTQ, FP8)",
-    "remote": "none: the server has the model",
-}
+CONVERT: dict[str, str] = {b: spec.convert for b, spec in BACKENDS.items()}
 
 
 def support(format: str, backend: str, *, architecture: str | None = None,

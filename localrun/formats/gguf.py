@@ -4,13 +4,20 @@ It reads the metadata and the tensor table, and checks that the file is as long 
 its tensor table says. A truncated download or a garbage file is caught here, with
 the numbers, before any engine sees it (llama.cpp reports only "Failed to load model
 from file", and some damage it does not notice until generation).
+
+This is localrun's only GGUF parser: :func:`read_gguf` reads a file on disk (memoized
+per file version, so the several steps of one load share one read), and
+:func:`metadata_from_bytes` reads the metadata from the first bytes of a file that is
+not here yet (a Hub range request).
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,11 +26,12 @@ from localrun.errors import ModelFileError
 
 MAGIC = b"GGUF"
 
-# GGUF metadata value types -> struct format (scalars only).
-_SCALARS: dict[int, str] = {
+# GGUF metadata value types -> their struct (scalars only).
+_SCALARS: dict[int, struct.Struct] = {t: struct.Struct(f) for t, f in {
     0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
     10: "<Q", 11: "<q", 12: "<d",
-}
+}.items()}
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _STRING, _ARRAY = 8, 9
 
 # ggml tensor type -> (elements per block, bytes per block); from ggml's type traits.
@@ -62,17 +70,11 @@ SAMPLING_KEYS: dict[str, str] = {
 _MAX_KEPT_ARRAY = 64  # token lists and merges are skipped, not kept
 
 
-@dataclass(frozen=True)
-class GGUFInfo:
-    path: str
-    version: int
-    n_tensors: int
-    metadata: dict[str, Any]
-    file_size: int
-    expected_size: int | None
-    tensor_bytes: int
-    chat_template: str | None = None
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+class ModelKeys:
+    """The model's facts among a GGUF file's metadata (``metadata``), most of them
+    under its architecture's prefix (``llama.block_count``)."""
+
+    metadata: Mapping[str, Any]
 
     def _arch_key(self, suffix: str) -> Any:
         return self.metadata.get(f"{self.architecture}.{suffix}")
@@ -123,32 +125,83 @@ class GGUFInfo:
         return emb // heads if isinstance(emb, int) and heads else None
 
 
+class GGUFMetadata(ModelKeys):
+    """:class:`ModelKeys` over metadata alone (:func:`metadata_from_bytes`)."""
+
+    def __init__(self, metadata: Mapping[str, Any]) -> None:
+        self.metadata = metadata
+
+
+@dataclass(frozen=True)
+class GGUFInfo(ModelKeys):
+    """A GGUF file's header. :func:`read_gguf` hands the same one to every caller while
+    the file is unchanged: treat it, its dicts included, as read-only."""
+
+    path: str
+    version: int
+    n_tensors: int
+    metadata: dict[str, Any]
+    file_size: int
+    expected_size: int | None
+    tensor_bytes: int
+    chat_template: str | None = None
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    #: elements in all tensors (the parameter count)
+    parameters: int = 0
+    #: ggml tensor type -> bytes of tensors of that type, in tensor-table order
+    bytes_by_type: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def truncated(self) -> bool:
+        """Is the file shorter than its tensor table says?"""
+        return self.expected_size is not None and self.file_size < self.expected_size
+
+    @property
+    def group_size(self) -> int | None:
+        """Elements per block of the quantized type that holds the most bytes (the
+        quant's group size); None when no tensor is block-quantized."""
+        quantized = {t: b for t, b in self.bytes_by_type.items() if GGML_TYPES[t][1] > 1}
+        if not quantized:
+            return None
+        return GGML_TYPES[max(quantized, key=lambda t: quantized[t])][1]
+
+
 class _Reader:
-    __slots__ = ("buf", "pos")
+    """Reads GGUF values from ``buf``. Past its end: struct.error for a whole file (it is
+    damaged), EOFError for the ``partial`` head of one (read more and try again)."""
 
-    def __init__(self, buf: Any) -> None:
+    __slots__ = ("buf", "partial", "pos")
+
+    def __init__(self, buf: Any, pos: int = 0, *, partial: bool = False) -> None:
         self.buf = buf
-        self.pos = 0
+        self.pos = pos
+        self.partial = partial
 
-    def scalar(self, fmt: str) -> Any:
-        v = struct.unpack_from(fmt, self.buf, self.pos)[0]
-        self.pos += struct.calcsize(fmt)
+    def _need(self, end: int, what: str) -> None:
+        if end > len(self.buf):
+            if self.partial:
+                raise EOFError("GGUF metadata continues past the bytes read")
+            raise struct.error(f"{what} past end of file")
+
+    def scalar(self, fmt: struct.Struct) -> Any:
+        end = self.pos + fmt.size
+        self._need(end, "value")
+        v = fmt.unpack_from(self.buf, self.pos)[0]
+        self.pos = end
         return v
 
     def string(self) -> str:
-        n = self.scalar("<Q")
+        n = self.scalar(_U64)
         end = self.pos + n
-        if end > len(self.buf):
-            raise struct.error("string past end of file")
+        self._need(end, "string")
         s = bytes(self.buf[self.pos : end]).decode("utf-8", errors="replace")
         self.pos = end
         return s
 
     def skip_string(self) -> None:
-        n = self.scalar("<Q")
+        n = self.scalar(_U64)
+        self._need(self.pos + n, "string")
         self.pos += n
-        if self.pos > len(self.buf):
-            raise struct.error("string past end of file")
 
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
@@ -156,9 +209,11 @@ class _Reader:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
-            etype = self.scalar("<I")
-            count = self.scalar("<Q")
-            if count > len(self.buf):
+            etype = self.scalar(_U32)
+            count = self.scalar(_U64)
+            if count > len(self.buf) - self.pos:  # every item takes a byte at least
+                if self.partial:
+                    raise EOFError("GGUF metadata continues past the bytes read")
                 raise ValueError(f"array of {count} items cannot fit in the file")
             if count > _MAX_KEPT_ARRAY:
                 self._skip_array(etype, count)
@@ -168,15 +223,21 @@ class _Reader:
 
     def _skip_array(self, etype: int, count: int) -> None:
         if etype in _SCALARS:
-            self.pos += struct.calcsize(_SCALARS[etype]) * count
+            end = self.pos + _SCALARS[etype].size * count
+            self._need(end, "array")
+            self.pos = end
         elif etype == _STRING:
+            # A vocabulary is 30k to 250k strings: the loop is kept tight.
+            buf, pos, size, unpack = self.buf, self.pos, len(self.buf), _U64.unpack_from
             for _ in range(count):
-                self.skip_string()
+                if pos + 8 > size:
+                    self._need(pos + 8, "string")
+                pos += 8 + unpack(buf, pos)[0]
+            self._need(pos, "string")
+            self.pos = pos
         else:
             for _ in range(count):
                 self.value(etype)
-        if self.pos > len(self.buf):
-            raise struct.error("array past end of file")
 
 
 @dataclass(frozen=True)
@@ -192,11 +253,50 @@ def is_gguf(path: str | os.PathLike[str]) -> bool:
         return False
 
 
+class _VersionError(ValueError):
+    def __init__(self, version: int) -> None:
+        super().__init__(f"unsupported GGUF version {version} (expected 2 or 3)")
+
+
+def metadata_from_bytes(buf: bytes) -> dict[str, Any]:
+    """Key/value metadata from the first bytes of a GGUF file (arrays of more than 64
+    items are left out: token lists, merges).
+
+    Raises ValueError if ``buf`` is not a GGUF header, and EOFError if it ends before
+    the metadata does (read more bytes and try again).
+    """
+    if buf[:4] != MAGIC:
+        raise ValueError("not a GGUF file")
+    _, _, meta = _metadata(_Reader(buf, 4, partial=True), limit=None)
+    return meta
+
+
 def read_gguf(path: str | os.PathLike[str], *, check_size: bool = True) -> GGUFInfo:
-    """Read a GGUF file's header; raise ModelFileError if it is not a sound GGUF."""
+    """Read a GGUF file's header; raise ModelFileError if it is not a sound GGUF
+    (``check_size``: nor shorter than its tensor table says)."""
     p = Path(path)
     try:
-        size = p.stat().st_size
+        st = p.stat()
+    except OSError as e:
+        raise ModelFileError(str(p), e.strerror or str(e)) from e
+    # One load reads the header in several steps (detect, the integrity check, the
+    # catalog's identification, the engine): the parse is kept per version of the file.
+    info = _read_version(p, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if check_size and info.truncated:
+        raise ModelFileError(
+            str(p),
+            f"file is truncated: {info.file_size:,} bytes on disk, the tensor table needs "
+            f"{info.expected_size:,}",
+        )
+    return info
+
+
+@functools.lru_cache(maxsize=16)
+def _read_version(p: Path, dev: int, ino: int, size: int, mtime_ns: int,
+                  ctime_ns: int) -> GGUFInfo:
+    """The header of ``p`` as it is while its inode, size and times are these (the
+    arguments after ``p`` are the cache key: a rewritten file is read again)."""
+    try:
         fh = open(p, "rb")  # noqa: SIM115 - closed by the with-block below
     except OSError as e:
         raise ModelFileError(str(p), e.strerror or str(e)) from e
@@ -207,41 +307,52 @@ def read_gguf(path: str | os.PathLike[str], *, check_size: bool = True) -> GGUFI
             raise ModelFileError(str(p), "not a GGUF file (it does not start with 'GGUF')")
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             try:
-                return _parse(p, mm, size, check_size)
+                return _parse(p, mm, size)
+            except _VersionError as e:
+                raise ModelFileError(str(p), str(e)) from e
             except (struct.error, ValueError, UnicodeDecodeError) as e:
                 raise ModelFileError(
                     str(p), f"GGUF header is damaged or truncated ({size:,} bytes on disk): {e}"
                 ) from e
 
 
-def _parse(p: Path, mm: mmap.mmap, size: int, check_size: bool) -> GGUFInfo:
-    r = _Reader(mm)
-    r.pos = 4
-    version = r.scalar("<I")
+def _metadata(r: _Reader, limit: int | None) -> tuple[int, int, dict[str, Any]]:
+    """(version, tensor count, metadata) from the header at ``r.pos`` (after the magic);
+    ``limit``: no count may exceed it (the file's size)."""
+    version = r.scalar(_U32)
     if version not in (2, 3):
-        raise ModelFileError(str(p), f"unsupported GGUF version {version} (expected 2 or 3)")
-    n_tensors = r.scalar("<Q")
-    n_kv = r.scalar("<Q")
-    if n_kv > size or n_tensors > size:
+        raise _VersionError(version)
+    n_tensors = r.scalar(_U64)
+    n_kv = r.scalar(_U64)
+    if limit is not None and (n_kv > limit or n_tensors > limit):
         raise ValueError(f"header claims {n_kv} keys and {n_tensors} tensors")
     meta: dict[str, Any] = {}
     for _ in range(n_kv):
         key = r.string()
-        vtype = r.scalar("<I")
+        vtype = r.scalar(_U32)
         meta[key] = r.value(vtype)
+    return version, n_tensors, {k: v for k, v in meta.items() if not isinstance(v, _SkippedArray)}
+
+
+def _parse(p: Path, mm: mmap.mmap, size: int) -> GGUFInfo:
+    r = _Reader(mm, 4)
+    version, n_tensors, meta = _metadata(r, limit=size)
     tensor_end = 0
     tensor_bytes = 0
+    parameters = 0
+    bytes_by_type: dict[int, int] = {}
     sizes_known = True
     for _ in range(n_tensors):
         r.skip_string()
-        n_dims = r.scalar("<I")
+        n_dims = r.scalar(_U32)
         if n_dims > 8:
             raise ValueError(f"tensor with {n_dims} dimensions")
         n_el = 1
         for _ in range(n_dims):
-            n_el *= r.scalar("<Q")
-        ttype = r.scalar("<I")
-        offset = r.scalar("<Q")
+            n_el *= r.scalar(_U64)
+        ttype = r.scalar(_U32)
+        offset = r.scalar(_U64)
+        parameters += n_el
         traits = GGML_TYPES.get(ttype)
         if traits is None:
             sizes_known = False
@@ -249,18 +360,13 @@ def _parse(p: Path, mm: mmap.mmap, size: int, check_size: bool) -> GGUFInfo:
         _, block, type_size = traits
         nbytes = n_el // block * type_size
         tensor_bytes += nbytes
+        bytes_by_type[ttype] = bytes_by_type.get(ttype, 0) + nbytes
         tensor_end = max(tensor_end, offset + nbytes)
     align = meta.get("general.alignment", 32)
     if not isinstance(align, int) or align <= 0:
         align = 32
     data_start = (r.pos + align - 1) // align * align
     expected = data_start + tensor_end if sizes_known and n_tensors else None
-    if check_size and expected is not None and size < expected:
-        raise ModelFileError(
-            str(p),
-            f"file is truncated: {size:,} bytes on disk, the tensor table needs {expected:,}",
-        )
-    meta = {k: v for k, v in meta.items() if not isinstance(v, _SkippedArray)}
     template = meta.get("tokenizer.chat_template")
     sampling = {opt: meta[key] for key, opt in SAMPLING_KEYS.items() if key in meta}
     return GGUFInfo(
@@ -273,4 +379,6 @@ def _parse(p: Path, mm: mmap.mmap, size: int, check_size: bool) -> GGUFInfo:
         tensor_bytes=tensor_bytes,
         chat_template=template if isinstance(template, str) else None,
         sampling_defaults=sampling,
+        parameters=parameters,
+        bytes_by_type=bytes_by_type,
     )

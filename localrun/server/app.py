@@ -122,15 +122,31 @@ async def _send_error(send: Any, scope: Scope, error: APIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class AuthMiddleware:
+class _HTTPMiddleware:
+    """An ASGI middleware that acts on HTTP requests only (lifespan passes through)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+class AuthMiddleware(_HTTPMiddleware):
     """``Authorization: Bearer KEY`` on every route but /health."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app = app
+        super().__init__(app)
         self.key = key.encode()
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("path") in PUBLIC_PATHS:
+    async def http(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope.get("path") in PUBLIC_PATHS:
             await self.app(scope, receive, send)
             return
         given = b""
@@ -147,17 +163,14 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-class SizeLimitMiddleware:
+class SizeLimitMiddleware(_HTTPMiddleware):
     """413 for a body over the limit: by Content-Length at once, else as it arrives."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.limit = limit
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Any, send: Any) -> None:
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
                 await _send_error(send, scope, self._error(int(value)))
@@ -180,17 +193,11 @@ class SizeLimitMiddleware:
                         f"{self.limit:,} bytes (--max-request-mb)", code="request_too_large")
 
 
-class GuardMiddleware:
+class GuardMiddleware(_HTTPMiddleware):
     """Whatever escapes the routes becomes a JSON 500 naming the error, never a
     traceback; the traceback goes to the server's log."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Any, send: Any) -> None:
         started = False
 
         async def tracked(message: Any) -> None:
@@ -214,18 +221,15 @@ class GuardMiddleware:
 _MODEL_PATH = re.compile(r"^/v1/models/.+")
 
 
-class AccessLogMiddleware:
+class AccessLogMiddleware(_HTTPMiddleware):
     """One line per request (client, method, path, status, time, model, tokens), and the
     request counters."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Any, send: Any) -> None:
         t0 = time.monotonic()
         status = 0
         scope.setdefault("state", {})

@@ -60,7 +60,7 @@ def loaded_entry(m: Loaded) -> dict[str, Any]:
             "owned_by": "localrun", "loaded": True, "kind": m.kind, "backend": i.backend,
             "format": i.format, "quantization": i.quantization, "device": i.device,
             "context_length": i.context_length, "path": i.path,
-            "expires_at": m.expires_wall()}
+            "expires_at": m.expires_wall(), "parallel": m.slots}
 
 
 async def model_list(st: ServerState) -> list[dict[str, Any]]:
@@ -115,7 +115,9 @@ def ollama_ps(st: ServerState) -> list[dict[str, Any]]:
                     "details": details(i.format, i.architecture, i.quantization),
                     "expires_at": FOREVER if expires is None else rfc3339(expires),
                     "size_vram": m.size if on_gpu else 0, "context_length": i.context_length,
-                    "backend": i.backend, "device": i.device})
+                    "backend": i.backend, "device": i.device,
+                    # localrun's: requests it runs at once, and how many do now
+                    "parallel": m.slots, "running": m.running, "waiting": m.waiting})
     return out
 
 

@@ -29,7 +29,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     api_key: str | None = None
-    parallel: int = 1
+    #: requests one model runs at once where its engine batches (None: the engine's
+    #: capacity, at most manager.DEFAULT_PARALLEL_CPU on the CPU); 1: one at a time
+    parallel: int | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
     keep_alive: float | None = DEFAULT_KEEP_ALIVE
     cors_origins: tuple[str, ...] = ()
@@ -48,7 +50,7 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise LocalrunError(f"Invalid port {self.port}",
                                 hint="pass --port between 1 and 65535 (0 picks a free one)")
-        if self.parallel < 1:
+        if self.parallel is not None and self.parallel < 1:
             raise LocalrunError(f"Invalid --parallel {self.parallel}",
                                 hint="pass --parallel 1 or more")
         if self.max_queue < 0:

@@ -4,6 +4,10 @@ what stops it (the client going away, the timeout, the server draining).
 The engine runs in a worker thread (``localrun.Model.stream`` blocks); its chunks reach
 the event loop through a queue. The model's slot is given back when that thread ends,
 not when the HTTP response does, so the next request never finds the engine still busy.
+
+Both APIs drive a generation the same way (:meth:`Job.generate`, then :meth:`Job.collect`
+for one JSON answer or :meth:`Job.pump` for a stream); only the bytes differ, and those
+are each API's :class:`Wire`.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,6 +25,7 @@ from localrun.errors import IncompleteOutputError
 from localrun.server.errors import APIError
 from localrun.server.manager import Kind, Lease, Loaded, ModelManager
 from localrun.server.metrics import Metrics
+from localrun.server.state import state_of, to_api_error
 from localrun.types import CancelToken, Chunk, Completion
 
 EventKind = Literal["chunk", "done", "error"]
@@ -32,6 +38,31 @@ class Event:
     completion: Completion | None = None
     result: Any = None  # what a non-streaming worker returned (embeddings)
     error: BaseException | None = None
+
+
+class Wire(ABC):
+    """How one API writes a generation as it streams (SSE, NDJSON, ...)."""
+
+    def begin(self) -> Iterable[bytes]:
+        """What goes out before the first piece."""
+        return ()
+
+    @abstractmethod
+    def chunk(self, chunk: Chunk) -> Iterable[bytes]:
+        """One piece of the reply (may write nothing)."""
+
+    @abstractmethod
+    def done(self, completion: Completion) -> Iterable[bytes]:
+        """The end: finish reason, usage, the stream's terminator."""
+
+    @abstractmethod
+    def error(self, error: APIError) -> bytes:
+        """A failure after the response began (its status is already 200)."""
+
+
+#: what a generation route runs: the loaded model's handle and the request's cancel
+#: token in, a ``localrun.Stream`` out
+Call = Callable[[Any, CancelToken], Any]
 
 
 class Job:
@@ -60,9 +91,11 @@ class Job:
         self._ran: Any = None  # the worker's own Completion, even when nobody read it
 
     @classmethod
-    async def open(cls, request: Any, manager: ModelManager, endpoint: str, model: str, *,
+    async def open(cls, request: Any, endpoint: str, model: str, *,
                    kind: Kind = "chat", context: int | None = None,
                    keep_alive: Any = "default") -> Job:
+        """Take a place in ``model``'s queue (loading it first if need be), then its slot."""
+        manager: ModelManager = state_of(request).manager
         job = cls(request, endpoint, manager.metrics, manager.config.request_timeout)
         note = getattr(request, "state", None)
         if note is not None:
@@ -76,10 +109,96 @@ class Job:
             raise
         return job
 
+    @classmethod
+    async def generate(cls, request: Any, endpoint: str, model: str, call: Call, *,
+                       context: int | None = None, keep_alive: Any = "default"
+                       ) -> tuple[Job, Event]:
+        """Open, start ``call(handle, token)`` and wait for its first event, before any
+        header goes out: a failure there still gets its own status code (400 for a
+        prompt over the context, 500 for an engine failure)."""
+        job = await cls.open(request, endpoint, model, context=context, keep_alive=keep_alive)
+        try:
+            handle = job.loaded.handle
+            job.run(lambda token: call(handle, token))
+            return job, await job.first()
+        except BaseException:
+            job.close()
+            raise
+
+    @classmethod
+    async def call(cls, request: Any, endpoint: str, model: str,
+                   work: Callable[[Any], Any], *, kind: Kind = "chat",
+                   context: int | None = None, keep_alive: Any = "default",
+                   param: str | None = None) -> tuple[Job, Any]:
+        """Open, run ``work(handle)`` (not a stream: embeddings) and return the job (for
+        its timings, already closed) and what ``work`` returned."""
+        job = await cls.open(request, endpoint, model, kind=kind, context=context,
+                             keep_alive=keep_alive)
+        try:
+            handle = job.loaded.handle
+            job.run(lambda token: work(handle))
+            event = await job.next()
+            if event.kind == "error":
+                assert event.error is not None
+                raise to_api_error(event.error, param=param)
+            return job, event.result
+        finally:
+            job.close()
+
     @property
     def loaded(self) -> Loaded:
         assert self.lease is not None
         return self.lease.loaded
+
+    # -- reading what it made ---------------------------------------------------------
+
+    async def first(self) -> Event:
+        """The next event; an error raised as the answer's status."""
+        event = await self.next()
+        if event.kind == "error":
+            assert event.error is not None
+            raise to_api_error(event.error)
+        return event
+
+    async def collect(self, event: Event) -> Completion:
+        """Read to the end from ``event`` for one JSON answer, and close."""
+        try:
+            while event.kind == "chunk":
+                event = await self.next()
+            if event.kind == "error":
+                assert event.error is not None
+                raise to_api_error(event.error)
+            assert event.completion is not None
+            return event.completion
+        finally:
+            self.close()
+
+    async def pump(self, event: Event, wire: Wire) -> AsyncIterator[bytes]:
+        """The response body of a stream, from ``event`` on, in ``wire``'s format; an
+        error (the engine's, the request timeout) ends it in that format too. Closes the
+        job however it ends (a client that went away cancels the run)."""
+        try:
+            for data in wire.begin():
+                yield data
+            while True:
+                if event.kind == "chunk":
+                    assert event.chunk is not None
+                    for data in wire.chunk(event.chunk):
+                        yield data
+                elif event.kind == "done":
+                    assert event.completion is not None
+                    for data in wire.done(event.completion):
+                        yield data
+                    return
+                else:
+                    assert event.error is not None
+                    yield wire.error(to_api_error(event.error))
+                    return
+                event = await self.next()
+        except APIError as e:  # the request timeout, mid-stream
+            yield wire.error(e)
+        finally:
+            self.close()
 
     # -- the worker -------------------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """Which models are loaded, who is using them, and when they go.
 
 Any name localrun accepts loads on its first request (plan → fit check → fetch, as
-``localrun.load`` does). Each loaded model has an admission queue: requests run one
-sequence at a time (``localrun.Model`` serializes calls; see the README for which
-engines batch), at most ``max_queue`` wait, and the next one gets 429 with
-``Retry-After``. Idle models unload after their keep-alive; when a model about to load
-would not fit, idle models go first, least recently used first.
+``localrun.load`` does). Each loaded model has ``slots`` and an admission queue: a model
+whose engine batches (``Model.max_concurrency`` > 1) runs up to ``--parallel`` requests
+at once, together in its engine's batch; any other runs one at a time. At most
+``max_queue`` more wait, and the next one gets 429 with ``Retry-After``. A model counts
+as its weights, overhead and one KV cache per slot; idle models unload after their
+keep-alive, and when a model about to load would not fit, idle models go first, least
+recently used first.
 
 All bookkeeping happens on the event loop thread; engines load, run and close in
 worker threads.
@@ -22,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from localrun.errors import LocalrunError, ModelTooLargeError
 from localrun.server.config import ServerConfig
@@ -30,9 +32,19 @@ from localrun.server.errors import APIError
 from localrun.server.metrics import Metrics
 from localrun.types import ModelInfo
 
+if TYPE_CHECKING:
+    from localrun.memory import MemoryEstimate
+
 log = logging.getLogger("localrun.server")
 
 Kind = Literal["chat", "embed"]
+
+#: ``--parallel``'s default for a model on the CPU whose engine batches: requests it runs
+#: at once. A CPU's decode is bound by memory bandwidth: past a few sequences each reply
+#: slows nearly in proportion for little more throughput (docs/results/llama_batch.md:
+#: 8 small-model sequences cost about two single steps), and every slot holds a KV cache.
+#: On a GPU the engine's own capacity is the default. LM Studio's default is 4 too.
+DEFAULT_PARALLEL_CPU = 4
 
 
 @dataclass(eq=False)
@@ -44,11 +56,11 @@ class Loaded:
     context: int | None  # the context asked for (None: the model's default)
     handle: Any
     info: ModelInfo
-    size: int  # bytes it is counted as (estimate: weights + KV cache + overhead)
+    size: int  # bytes it is counted as (estimate: weights + overhead + KV cache × slots)
     pinned: bool  # named on the command line: no keep-alive expiry
     keep_alive: float | None
     load_seconds: float
-    slots: int
+    slots: int  # requests it runs at once (several: together in its engine's batch)
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     expires_at: float | None = None  # monotonic; None: not scheduled
@@ -232,30 +244,94 @@ class ModelManager:
                     if victim is None:
                         raise
                     await self._unload(victim, f"to make room for {name}")
-            return self._register(name, kind, context, handle, time.monotonic() - t0,
-                                  pinned=False, size=need)
+            seconds = time.monotonic() - t0
+            try:
+                est = await asyncio.to_thread(_estimate_loaded, handle.info, context)
+                slots = await asyncio.to_thread(self._slots, name, kind, handle)
+                slots = await self._room_for_slots(name, need, est, slots)
+            except BaseException:
+                await asyncio.to_thread(handle.close)
+                raise
+            return self._register(name, kind, context, handle, seconds, pinned=False,
+                                  size=need, slots=slots, estimate=est)
 
     def _register(self, name: str, kind: Kind, context: int | None, handle: Any,
-                  seconds: float, *, pinned: bool, size: int | None) -> Loaded:
+                  seconds: float, *, pinned: bool, size: int | None,
+                  slots: int | None = None, estimate: MemoryEstimate | None = None
+                  ) -> Loaded:
+        """Make a loaded ``handle`` servable. ``size``: its estimate for one sequence
+        (None: from its files); ``slots`` None: decided here (``--parallel``, no room
+        check: the models named on the command line, before serving)."""
         info: ModelInfo = handle.info
+        est = estimate or _estimate_loaded(info, context)
         if size is None:
-            size = _estimate_path(info.path, context) or 0
+            size = est.total_bytes if est is not None else 0
+        if slots is None:
+            slots = self._slots(name, kind, handle)
+        kv = est.kv_cache_bytes if est is not None else 0
         m = Loaded(name=name, kind=kind, context=context, handle=handle, info=info,
-                   size=size, pinned=pinned, keep_alive=self.config.keep_alive,
-                   load_seconds=seconds, slots=1)
+                   size=size + (slots - 1) * kv, pinned=pinned,
+                   keep_alive=self.config.keep_alive, load_seconds=seconds, slots=slots)
         self.models[m.key] = m
         self.metrics.models_loaded.set(len(self.models))
-        log.info("loaded %s (%s %s, %s) in %.2f s", name, info.backend, info.format,
-                 info.device or "?", seconds)
+        log.info("loaded %s (%s %s, %s) in %.2f s; %s", name, info.backend, info.format,
+                 info.device or "?", seconds, "runs one request at a time" if slots == 1
+                 else f"runs up to {slots} requests at once")
         return m
 
-    def _fits(self, need: int, freed: int) -> bool:
+    def _slots(self, name: str, kind: Kind, handle: Any) -> int:
+        """Requests ``handle`` runs at once: ``--parallel`` (by default
+        :data:`DEFAULT_PARALLEL_CPU` on the CPU, the engine's capacity elsewhere), at
+        most what its engine batches (``Model.max_concurrency``); 1 for an engine that
+        runs one sequence at a time, and for embedders. Asking builds the engine's
+        batcher (OpenVINO's is a second pipeline), so ``--parallel 1`` does not ask."""
+        parallel = self.config.parallel
+        if kind != "chat" or parallel == 1:
+            return 1
+        try:
+            capacity = max(1, int(handle.max_concurrency))
+        except LocalrunError as e:  # the batcher could not be built: one at a time
+            log.warning("%s runs one request at a time: %s", name, e)
+            return 1
+        if parallel is None:
+            on_cpu = (handle.info.device or "cpu").lower() == "cpu"
+            return min(capacity, DEFAULT_PARALLEL_CPU) if on_cpu else capacity
+        return min(parallel, capacity)
+
+    async def _room_for_slots(self, name: str, need: int | None,
+                              est: MemoryEstimate | None, slots: int) -> int:
+        """Room for the KV caches of ``slots - 1`` more sequences of a model just loaded
+        (``need`` bytes for one): idle models unload, least recently used first; what
+        memory still cannot hold runs fewer at once."""
+        kv = est.kv_cache_bytes if est is not None else 0
+        base = need if need is not None else (est.total_bytes if est is not None else 0)
+        if slots == 1 or kv == 0:
+            return slots
+        freed = 0
+        while not self._fits(base + (slots - 1) * kv, freed, loaded=base):
+            victim = self._lru_idle()
+            if victim is None:
+                break
+            freed += victim.size
+            await self._unload(victim, f"least recently used; {name} runs {slots} requests "
+                               "at once, each with its KV cache")
+        fit = slots
+        while fit > 1 and not self._fits(base + (fit - 1) * kv, freed, loaded=base):
+            fit -= 1
+        if fit < slots:
+            log.warning("%s runs %d requests at once, not %d: memory holds no more KV "
+                        "caches of %.2f GiB", name, fit, slots, kv / 2**30)
+        return fit
+
+    def _fits(self, need: int, freed: int, *, loaded: int = 0) -> bool:
+        """Whether a model of ``need`` bytes fits beside the others (``loaded``: bytes of
+        it already in memory, which the OS no longer shows as available)."""
         if self.config.max_memory is not None:
             used = sum(m.size for m in self.models.values())
             return used + need <= self.config.max_memory
         # what is free now, plus what unloading has given back but the OS may not
         # show yet
-        return need <= self._available() + freed
+        return need - loaded <= self._available() + freed
 
     async def _make_room(self, need: int | None, name: str) -> None:
         if need is None:
@@ -415,7 +491,8 @@ def estimate_bytes(name: str, context: int | None, config: ServerConfig) -> int 
     except Exception:
         return None
     if target is not None:
-        return _estimate_path(target.path, ctx)
+        est = _estimate_path(target.path, ctx)
+        return est.total_bytes if est is not None else None
     try:
         from localrun.planning import plan_fetch
 
@@ -426,7 +503,12 @@ def estimate_bytes(name: str, context: int | None, config: ServerConfig) -> int 
     return fetch.memory.total_bytes if fetch is not None else None
 
 
-def _estimate_path(path: str, context: int | None) -> int | None:
+def _estimate_loaded(info: ModelInfo, context: int | None) -> MemoryEstimate | None:
+    """A loaded model's memory, at the context it was loaded with."""
+    return _estimate_path(info.path, info.context_length or context)
+
+
+def _estimate_path(path: str, context: int | None) -> MemoryEstimate | None:
     from localrun.memory import (
         context_window,
         estimate,
@@ -452,5 +534,5 @@ def _estimate_path(path: str, context: int | None) -> int | None:
     except (OSError, ValueError, LocalrunError):
         return None
     ctx = context_window(context, shape.trained_context if shape else None)
-    return estimate(weights, shape, ctx).total_bytes
+    return estimate(weights, shape, ctx)
 

@@ -15,7 +15,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -25,12 +25,19 @@ from localrun import __version__
 from localrun.server.catalog import details, disk_models, ollama_ps, ollama_tags, rfc3339
 from localrun.server.config import parse_duration
 from localrun.server.errors import APIError, bad_request, unsupported
-from localrun.server.jobs import Event, Job
+from localrun.server.jobs import Call, Job, Wire
 from localrun.server.openai_api import embedding_inputs
-from localrun.server.params import Fields, check_sampling, read_json, sampling_kwargs
-from localrun.server.state import ServerState, state_of, to_api_error
+from localrun.server.params import (
+    Fields,
+    check_sampling,
+    each_message,
+    read_json,
+    read_model_request,
+    sampling_kwargs,
+)
+from localrun.server.state import state_of, to_api_error
 from localrun.structured.calls import new_call_id
-from localrun.types import CancelToken, Completion
+from localrun.types import CancelToken, Chunk, Completion
 
 router = APIRouter()
 
@@ -108,15 +115,9 @@ def _refuse_thinking(f: Fields) -> None:
 
 
 def _messages(raw: list[Any] | None) -> list[dict[str, Any]]:
-    if not raw:
-        raise bad_request("'messages' must be a non-empty array", "messages")
     out: list[dict[str, Any]] = []
     calls_by_name: dict[str, str] = {}
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"'{where}' must be an object with 'role' and 'content'", where)
-        f = Fields(m, f"{where}.")
+    for where, f in each_message(raw):
         role = f.text("role", required=True)
         if role not in ("system", "user", "assistant", "tool"):
             raise bad_request(f"Invalid '{where}.role': {role!r}", f"{where}.role")
@@ -165,7 +166,7 @@ def _tool_calls(c: Completion) -> list[dict[str, Any]]:
     return out
 
 
-def _stats(job: Job, c: Completion, st: ServerState) -> dict[str, Any]:
+def _stats(job: Job, c: Completion) -> dict[str, Any]:
     ns = 1_000_000_000
     loaded = job.loaded
     load = loaded.load_seconds if loaded.loaded_at >= job_started_wall(job) else 0.0
@@ -187,75 +188,61 @@ def _line(data: Any) -> bytes:
     return (json.dumps(data, ensure_ascii=False) + "\n").encode()
 
 
-async def _generate_response(request: Request, st: ServerState, job: Job, *, model: str,
-                             stream: bool, chat: bool) -> Any:
-    """Run the job's events out as Ollama's NDJSON stream or one JSON object."""
-    key = "message" if chat else "response"
+class _NDJSON(Wire):
+    """Ollama's stream: one object per line, the last with ``done`` and the timings."""
 
-    def piece(text: str) -> dict[str, Any]:
-        body = {"role": "assistant", "content": text} if chat else text
-        return {"model": model, "created_at": rfc3339(), key: body, "done": False}
+    def __init__(self, job: Job, model: str, chat: bool) -> None:
+        self.job = job
+        self.model = model
+        self.chat = chat
 
-    event = await job.next()
-    if event.kind == "error":
-        assert event.error is not None
-        raise to_api_error(event.error)
-    if not stream:
-        parts = []
-        while event.kind == "chunk":
-            assert event.chunk is not None
-            parts.append(event.chunk.text)
-            event = await job.next()
-        if event.kind == "error":
-            assert event.error is not None
-            raise to_api_error(event.error)
-        c = event.completion
-        assert c is not None
-        out = piece(c.text)
-        if chat and c.tool_calls:
+    def piece(self, text: str) -> dict[str, Any]:
+        if self.chat:
+            return {"model": self.model, "created_at": rfc3339(),
+                    "message": {"role": "assistant", "content": text}, "done": False}
+        return {"model": self.model, "created_at": rfc3339(), "response": text, "done": False}
+
+    def whole(self, c: Completion) -> dict[str, Any]:
+        """The non-streamed answer: the reply, its tool calls, the timings."""
+        out = self.piece(c.text)
+        if self.chat and c.tool_calls:
             out["message"]["tool_calls"] = _tool_calls(c)
-        out.update(_stats(job, c, st))
-        job.close()
-        return JSONResponse(out)
+        out.update(_stats(self.job, c))
+        return out
 
-    async def lines(event: Event) -> AsyncIterator[bytes]:
-        try:
-            while True:
-                if event.kind == "chunk":
-                    assert event.chunk is not None
-                    if event.chunk.text and not event.chunk.tool_calls:
-                        yield _line(piece(event.chunk.text))
-                elif event.kind == "done":
-                    c = event.completion
-                    assert c is not None
-                    if chat and c.tool_calls:  # Ollama sends each call whole
-                        calls = piece("")
-                        calls["message"]["tool_calls"] = _tool_calls(c)
-                        yield _line(calls)
-                    last = piece("")
-                    last.update(_stats(job, c, st))
-                    yield _line(last)
-                    return
-                else:
-                    assert event.error is not None
-                    yield _line(to_api_error(event.error).ollama_body())
-                    return
-                event = await job.next()
-        except APIError as e:
-            yield _line(e.ollama_body())
-        finally:
-            job.close()
+    def chunk(self, chunk: Chunk) -> Iterable[bytes]:
+        if chunk.text and not chunk.tool_calls:
+            yield _line(self.piece(chunk.text))
 
-    return StreamingResponse(lines(event), media_type=NDJSON)
+    def done(self, completion: Completion) -> Iterable[bytes]:
+        if self.chat and completion.tool_calls:  # Ollama sends each call whole
+            calls = self.piece("")
+            calls["message"]["tool_calls"] = _tool_calls(completion)
+            yield _line(calls)
+        last = self.piece("")
+        last.update(_stats(self.job, completion))
+        yield _line(last)
+
+    def error(self, error: APIError) -> bytes:
+        return _line(error.ollama_body())
+
+
+async def _generate(request: Request, endpoint: str, model: str, call: Call, *,
+                    stream: bool, chat: bool, num_ctx: int | None, keep_alive: Any) -> Any:
+    """Run ``call`` and answer as Ollama's NDJSON stream or one JSON object."""
+    job, first = await Job.generate(request, endpoint, model, call, context=num_ctx,
+                                    keep_alive=keep_alive)
+    wire = _NDJSON(job, model, chat)
+    if stream:
+        return StreamingResponse(job.pump(first, wire), media_type=NDJSON)
+    return JSONResponse(wire.whole(await job.collect(first)))
 
 
 # -- /api/chat, /api/generate -----------------------------------------------------------
 
 @router.post("/api/chat")
 async def chat(request: Request) -> Any:
-    st = state_of(request)
-    f = Fields(await read_json(request))
-    model = f.text("model", required=True) or ""
+    f, model = await read_model_request(request)
     messages = _messages(f.array("messages"))
     sampling, num_ctx, fill = _options(f)
     structured: dict[str, Any] = {}
@@ -270,29 +257,23 @@ async def chat(request: Request) -> Any:
     _refuse_thinking(f)
     f.refuse_unread()
 
-    job = await Job.open(request, st.manager, "api_chat", model, context=num_ctx,
-                         keep_alive=keep_alive)
-    try:
-        handle = job.loaded.handle
-        if fill:
-            sampling["max_tokens"] = handle.info.context_length
+    def call(handle: Any, token: CancelToken) -> Any:
+        return handle.stream(messages, cancel=token, **structured,
+                             **_filled(sampling, fill, handle))
 
-        def work(token: CancelToken) -> Any:
-            return handle.stream(messages, cancel=token, **structured, **sampling)
+    return await _generate(request, "api_chat", model, call, stream=stream, chat=True,
+                           num_ctx=num_ctx, keep_alive=keep_alive)
 
-        job.run(work)
-        return await _generate_response(request, st, job, model=model, stream=stream,
-                                        chat=True)
-    except BaseException:
-        job.close()
-        raise
+
+def _filled(sampling: dict[str, Any], fill: bool, handle: Any) -> dict[str, Any]:
+    """``num_predict`` < 0: as many tokens as the loaded context holds."""
+    return {**sampling, "max_tokens": handle.info.context_length} if fill else sampling
 
 
 @router.post("/api/generate")
 async def generate(request: Request) -> Any:
     st = state_of(request)
-    f = Fields(await read_json(request))
-    model = f.text("model", required=True) or ""
+    f, model = await read_model_request(request)
     prompt = f.text("prompt") or ""
     system = f.text("system")
     raw = bool(f.flag("raw"))
@@ -319,52 +300,24 @@ async def generate(request: Request) -> Any:
         return JSONResponse({"model": model, "created_at": rfc3339(), "response": "",
                              "done": True, "done_reason": "load"})
 
-    job = await Job.open(request, st.manager, "api_generate", model, context=num_ctx,
-                         keep_alive=keep_alive)
-    try:
-        handle = job.loaded.handle
-        if fill:
-            sampling["max_tokens"] = handle.info.context_length
-        extra: dict[str, Any] = {"response_format": fmt} if fmt is not None else {}
+    extra: dict[str, Any] = {"response_format": fmt} if fmt is not None else {}
+    text: Any = prompt if raw else (
+        ([{"role": "system", "content": system}] if system else [])
+        + [{"role": "user", "content": prompt}])
 
-        def work(token: CancelToken) -> Any:
-            if raw:
-                return handle.stream(prompt, raw=True, cancel=token, **extra, **sampling)
-            msgs = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}]
-            return handle.stream(msgs, cancel=token, **extra, **sampling)
+    def call(handle: Any, token: CancelToken) -> Any:
+        return handle.stream(text, raw=raw, cancel=token, **extra,
+                             **_filled(sampling, fill, handle))
 
-        job.run(work)
-        return await _generate_response(request, st, job, model=model, stream=stream,
-                                        chat=False)
-    except BaseException:
-        job.close()
-        raise
+    return await _generate(request, "api_generate", model, call, stream=stream, chat=False,
+                           num_ctx=num_ctx, keep_alive=keep_alive)
 
 
 # -- /api/embed, /api/embeddings --------------------------------------------------------
 
-async def _embed(request: Request, model: str, texts: list[str], truncate: bool,
-                 num_ctx: int | None, keep_alive: Any) -> tuple[Job, Any]:
-    st = state_of(request)
-    job = await Job.open(request, st.manager, "api_embed", model, kind="embed",
-                         context=num_ctx, keep_alive=keep_alive)
-    try:
-        handle = job.loaded.handle
-        job.run(lambda token: handle.embed(texts, truncate=truncate))
-        event = await job.next()
-        if event.kind == "error":
-            assert event.error is not None
-            raise to_api_error(event.error, param="input")
-        return job, event.result
-    finally:
-        job.close()
-
-
 @router.post("/api/embed")
 async def embed(request: Request) -> Any:
-    f = Fields(await read_json(request))
-    model = f.text("model", required=True) or ""
+    f, model = await read_model_request(request)
     texts = embedding_inputs(f.raw("input"), "input")
     truncate = f.flag("truncate") is not False
     dimensions = f.integer("dimensions", minimum=1)
@@ -373,7 +326,9 @@ async def embed(request: Request) -> Any:
     opts.refuse_unread()
     keep_alive = _keep_alive(f)
     f.refuse_unread()
-    job, result = await _embed(request, model, texts, truncate, num_ctx, keep_alive)
+    job, result = await Job.call(request, "api_embed", model,
+                                 lambda h: h.embed(texts, truncate=truncate), kind="embed",
+                                 context=num_ctx, keep_alive=keep_alive, param="input")
     if dimensions is not None and dimensions != len(result.vectors[0]):
         raise unsupported("dimensions", f"{model} gives {len(result.vectors[0])}-dimensional "
                           "embeddings; leave 'dimensions' out or send that number")
@@ -385,14 +340,14 @@ async def embed(request: Request) -> Any:
 
 @router.post("/api/embeddings")
 async def embeddings_legacy(request: Request) -> Any:
-    f = Fields(await read_json(request))
-    model = f.text("model", required=True) or ""
-    prompt = f.text("prompt", required=True) or ""
+    f, model = await read_model_request(request)
+    texts = embedding_inputs(f.text("prompt", required=True) or "", "prompt")
     keep_alive = _keep_alive(f)
     f.refuse_if("options", {}, "send options to /api/embed")
     f.refuse_unread()
-    _, result = await _embed(request, model, embedding_inputs(prompt, "prompt"), True, None,
-                             keep_alive)
+    _, result = await Job.call(request, "api_embed", model,
+                               lambda h: h.embed(texts, truncate=True), kind="embed",
+                               keep_alive=keep_alive, param="input")
     return JSONResponse({"embedding": result.vectors[0]})
 
 
@@ -418,8 +373,7 @@ async def version() -> Any:
 @router.post("/api/show")
 async def show(request: Request) -> Any:
     st = state_of(request)
-    f = Fields(await read_json(request))
-    model = f.text("model", required=True) or ""
+    f, model = await read_model_request(request)
     f.raw("verbose")
     f.refuse_unread()
     for m in st.manager.models.values():

@@ -12,7 +12,8 @@ import json
 import secrets
 import struct
 import time
-from collections.abc import AsyncIterator
+from abc import abstractmethod
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -20,10 +21,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from localrun import __version__
 from localrun.server.errors import APIError, bad_request, unsupported
-from localrun.server.jobs import Event, Job
-from localrun.server.params import Fields, check_sampling, read_json, sampling_kwargs
-from localrun.server.state import state_of, to_api_error
-from localrun.types import CancelToken, Completion
+from localrun.server.jobs import Event, Job, Wire
+from localrun.server.params import (
+    Fields,
+    check_sampling,
+    each_message,
+    read_model_request,
+    sampling_kwargs,
+)
+from localrun.server.state import state_of
+from localrun.types import Chunk, Completion
 
 router = APIRouter()
 
@@ -78,14 +85,8 @@ def _stream_flags(f: Fields) -> tuple[bool, bool]:
 
 
 def _messages(raw: list[Any] | None) -> list[dict[str, Any]]:
-    if not raw:
-        raise bad_request("'messages' must be a non-empty array", "messages")
     out: list[dict[str, Any]] = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"'{where}' must be an object with 'role' and 'content'", where)
-        f = Fields(m, f"{where}.")
+    for where, f in each_message(raw):
         role = f.text("role", required=True)
         if role == "developer":
             role = "system"  # OpenAI's newer name for the system turn
@@ -149,126 +150,111 @@ def _usage(c: Completion) -> dict[str, int]:
             "total_tokens": c.usage.prompt_tokens + c.usage.completion_tokens}
 
 
-async def _first(job: Job) -> Event:
-    """The first event, before any header goes out: a failure here still gets its own
-    status code (400 for a prompt over the context, 500 for an engine failure)."""
-    event = await job.next()
-    if event.kind == "error":
-        assert event.error is not None
-        raise to_api_error(event.error)
-    return event
-
-
-async def _collect(job: Job, event: Event) -> Completion:
-    while event.kind == "chunk":
-        event = await job.next()
-    if event.kind == "error":
-        assert event.error is not None
-        raise to_api_error(event.error)
-    assert event.completion is not None
-    return event.completion
-
-
 def _sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+class _SSE(Wire):
+    """OpenAI's server-sent events for one choice: ``choice(...)`` builds the endpoint's
+    choice object (a chat delta or a text piece)."""
+
+    def __init__(self, obj: str, cid: str, model: str, include_usage: bool) -> None:
+        self.head: dict[str, Any] = {"id": cid, "object": obj, "created": int(time.time()),
+                                     "model": model, "system_fingerprint": FINGERPRINT}
+        self.include_usage = include_usage
+
+    @abstractmethod
+    def choice(self, piece: Any, finish: str | None) -> dict[str, Any]:
+        """The one choice of an event (``piece`` None: the last one, with ``finish``)."""
+
+    def _event(self, piece: Any, finish: str | None = None) -> bytes:
+        data: dict[str, Any] = {**self.head, "choices": [self.choice(piece, finish)]}
+        if self.include_usage:
+            data["usage"] = None
+        return _sse(data)
+
+    def done(self, completion: Completion) -> Iterable[bytes]:
+        yield self._event(None, FINISH[completion.finish_reason])
+        if self.include_usage:
+            yield _sse({**self.head, "choices": [], "usage": _usage(completion)})
+        yield b"data: [DONE]\n\n"
+
+    def error(self, error: APIError) -> bytes:
+        return _sse(error.openai_body())
+
+
+class _ChatSSE(_SSE):
+    def choice(self, piece: Any, finish: str | None) -> dict[str, Any]:
+        return {"index": 0, "delta": piece or {}, "logprobs": None, "finish_reason": finish}
+
+    def begin(self) -> Iterable[bytes]:
+        yield self._event({"role": "assistant", "content": ""})
+
+    def chunk(self, chunk: Chunk) -> Iterable[bytes]:
+        delta: dict[str, Any] = {}
+        if chunk.text:
+            delta["content"] = chunk.text
+        if chunk.tool_calls:
+            delta["tool_calls"] = [d.to_dict() for d in chunk.tool_calls]
+        if delta:
+            yield self._event(delta)
+
+
+class _TextSSE(_SSE):
+    def choice(self, piece: Any, finish: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+
+    def chunk(self, chunk: Chunk) -> Iterable[bytes]:
+        if chunk.text:
+            yield self._event(chunk.text)
+
+
+async def _answer(job: Job, first: Event, wire: _SSE, stream: bool,
+                  message: Callable[[Completion], dict[str, Any]]) -> Any:
+    """A stream of ``wire``'s events, or one JSON object whose choice ``message`` makes."""
+    if stream:
+        return StreamingResponse(job.pump(first, wire), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    c = await job.collect(first)
+    obj = wire.head["object"].removesuffix(".chunk")
+    return JSONResponse({**wire.head, "object": obj,
+                         "choices": [{"index": 0, **message(c), "logprobs": None,
+                                      "finish_reason": FINISH[c.finish_reason]}],
+                         "usage": _usage(c)})
 
 
 # -- /v1/chat/completions ---------------------------------------------------------------
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Any:
-    st = state_of(request)
-    f = Fields(await read_json(request))
-    model = f.text("model", required=True) or ""
+    f, model = await read_model_request(request)
     messages = _messages(f.array("messages"))
     sampling = _sampling(f)
     structured = _structured(f)
     stream, include_usage = _stream_flags(f)
     f.refuse_unread(NO_EFFECT)
 
-    job = await Job.open(request, st.manager, "chat", model)
-    try:
-        handle = job.loaded.handle
-
-        def work(token: CancelToken) -> Any:
-            return handle.stream(messages, cancel=token, **structured, **sampling)
-
-        job.run(work)
-        first = await _first(job)
-        cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
-        if not stream:
-            c = await _collect(job, first)
-            job.close()
-            message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
-            if c.tool_calls:
-                message["tool_calls"] = [call.to_dict() for call in c.tool_calls]
-                message["content"] = c.text or None
-            return JSONResponse({
-                "id": cid, "object": "chat.completion", "created": created, "model": model,
-                "system_fingerprint": FINGERPRINT,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": FINISH[c.finish_reason]}],
-                "usage": _usage(c)})
-    except BaseException:
-        job.close()
-        raise
-    return StreamingResponse(_chat_stream(job, first, cid, created, model, include_usage),
-                             media_type="text/event-stream", headers=SSE_HEADERS)
+    job, first = await Job.generate(
+        request, "chat", model,
+        lambda h, token: h.stream(messages, cancel=token, **structured, **sampling))
+    wire = _ChatSSE("chat.completion.chunk", "chatcmpl-" + secrets.token_hex(12), model,
+                    include_usage)
+    return await _answer(job, first, wire, stream, _chat_message)
 
 
-async def _chat_stream(job: Job, event: Event, cid: str, created: int, model: str,
-                       include_usage: bool) -> AsyncIterator[bytes]:
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        data: dict[str, Any] = {
-            "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "system_fingerprint": FINGERPRINT,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                         "finish_reason": finish}]}
-        if include_usage:
-            data["usage"] = None
-        return _sse(data)
-
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        while True:
-            if event.kind == "chunk":
-                assert event.chunk is not None
-                delta: dict[str, Any] = {}
-                if event.chunk.text:
-                    delta["content"] = event.chunk.text
-                if event.chunk.tool_calls:
-                    delta["tool_calls"] = [d.to_dict() for d in event.chunk.tool_calls]
-                if delta:
-                    yield chunk(delta)
-            elif event.kind == "done":
-                c = event.completion
-                assert c is not None
-                yield chunk({}, FINISH[c.finish_reason])
-                if include_usage:
-                    yield _sse({"id": cid, "object": "chat.completion.chunk",
-                                "created": created, "model": model,
-                                "system_fingerprint": FINGERPRINT, "choices": [],
-                                "usage": _usage(c)})
-                yield b"data: [DONE]\n\n"
-                return
-            else:
-                assert event.error is not None
-                yield _sse(to_api_error(event.error).openai_body())
-                return
-            event = await job.next()
-    except APIError as e:  # the request timeout, mid-stream
-        yield _sse(e.openai_body())
-    finally:
-        job.close()
+def _chat_message(c: Completion) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+    if c.tool_calls:
+        message["tool_calls"] = [call.to_dict() for call in c.tool_calls]
+        message["content"] = c.text or None
+    return {"message": message}
 
 
 # -- /v1/completions --------------------------------------------------------------------
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Any:
-    st = state_of(request)
-    f = Fields(await read_json(request))
-    model = f.text("model", required=True) or ""
+    f, model = await read_model_request(request)
     prompt = _prompt(f.raw("prompt"))
     sampling = _sampling(f)
     stream, include_usage = _stream_flags(f)
@@ -277,30 +263,11 @@ async def completions(request: Request) -> Any:
     f.refuse_if("suffix", "", "fill-in-the-middle is not implemented")
     f.refuse_unread(NO_EFFECT)
 
-    job = await Job.open(request, st.manager, "completions", model)
-    try:
-        handle = job.loaded.handle
-
-        def work(token: CancelToken) -> Any:
-            return handle.stream(prompt, raw=True, cancel=token, **sampling)
-
-        job.run(work)
-        first = await _first(job)
-        cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
-        if not stream:
-            c = await _collect(job, first)
-            job.close()
-            return JSONResponse({
-                "id": cid, "object": "text_completion", "created": created, "model": model,
-                "system_fingerprint": FINGERPRINT,
-                "choices": [{"index": 0, "text": c.text, "logprobs": None,
-                             "finish_reason": FINISH[c.finish_reason]}],
-                "usage": _usage(c)})
-    except BaseException:
-        job.close()
-        raise
-    return StreamingResponse(_text_stream(job, first, cid, created, model, include_usage),
-                             media_type="text/event-stream", headers=SSE_HEADERS)
+    job, first = await Job.generate(
+        request, "completions", model,
+        lambda h, token: h.stream(prompt, raw=True, cancel=token, **sampling))
+    wire = _TextSSE("text_completion", "cmpl-" + secrets.token_hex(12), model, include_usage)
+    return await _answer(job, first, wire, stream, lambda c: {"text": c.text})
 
 
 def _prompt(value: Any) -> str:
@@ -313,43 +280,6 @@ def _prompt(value: Any) -> str:
     if isinstance(value, list) and len(value) > 1:
         raise unsupported("prompt", "several prompts in one request (send one per request)")
     raise bad_request("'prompt' must be a non-empty string", "prompt")
-
-
-async def _text_stream(job: Job, event: Event, cid: str, created: int, model: str,
-                       include_usage: bool) -> AsyncIterator[bytes]:
-    def chunk(text: str, finish: str | None = None) -> bytes:
-        data: dict[str, Any] = {
-            "id": cid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": FINGERPRINT,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
-        if include_usage:
-            data["usage"] = None
-        return _sse(data)
-
-    try:
-        while True:
-            if event.kind == "chunk":
-                assert event.chunk is not None
-                if event.chunk.text:
-                    yield chunk(event.chunk.text)
-            elif event.kind == "done":
-                c = event.completion
-                assert c is not None
-                yield chunk("", FINISH[c.finish_reason])
-                if include_usage:
-                    yield _sse({"id": cid, "object": "text_completion", "created": created,
-                                "model": model, "choices": [], "usage": _usage(c)})
-                yield b"data: [DONE]\n\n"
-                return
-            else:
-                assert event.error is not None
-                yield _sse(to_api_error(event.error).openai_body())
-                return
-            event = await job.next()
-    except APIError as e:
-        yield _sse(e.openai_body())
-    finally:
-        job.close()
 
 
 # -- /v1/models -------------------------------------------------------------------------
@@ -377,9 +307,7 @@ async def get_model(request: Request, model_id: str) -> Any:
 
 @router.post("/v1/embeddings")
 async def embeddings(request: Request) -> Any:
-    st = state_of(request)
-    f = Fields(await read_json(request))
-    model = f.text("model", required=True) or ""
+    f, model = await read_model_request(request)
     texts = embedding_inputs(f.raw("input"), "input")
     encoding = f.text("encoding_format") or "float"
     if encoding not in ("float", "base64"):
@@ -388,21 +316,14 @@ async def embeddings(request: Request) -> Any:
     dimensions = f.integer("dimensions", minimum=1)
     f.refuse_unread(("user",))
 
-    job = await Job.open(request, st.manager, "embeddings", model, kind="embed")
-    try:
-        handle = job.loaded.handle
+    def work(handle: Any) -> Any:
         if dimensions is not None and dimensions != handle.dimensions:
             raise unsupported("dimensions", f"{model} gives {handle.dimensions}-dimensional "
                               "embeddings; leave 'dimensions' out or send that number")
-        job.run(lambda token: handle.embed(texts, truncate=False))
-        event = await job.next()
-        if event.kind == "error":
-            assert event.error is not None
-            raise to_api_error(event.error, param="input")
-        result = event.result
-    finally:
-        job.close()
-    assert result is not None
+        return handle.embed(texts, truncate=False)
+
+    _, result = await Job.call(request, "embeddings", model, work, kind="embed",
+                               param="input")
     data = [{"object": "embedding", "index": i,
              "embedding": encode_vector(vec) if encoding == "base64" else vec}
             for i, vec in enumerate(result.vectors)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from localrun.server.errors import APIError, bad_request, unsupported
@@ -25,6 +25,23 @@ async def read_json(request: Any) -> dict[str, Any]:
     return body
 
 
+async def read_model_request(request: Any) -> tuple[Fields, str]:
+    """The body's fields and its required ``model``."""
+    f = Fields(await read_json(request))
+    return f, f.text("model", required=True) or ""
+
+
+def each_message(raw: list[Any] | None) -> Iterator[tuple[str, Fields]]:
+    """Each entry of a ``messages`` array, checked to be an object: (its name, its fields)."""
+    if not raw:
+        raise bad_request("'messages' must be a non-empty array", "messages")
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"'{where}' must be an object with 'role' and 'content'", where)
+        yield where, Fields(m, f"{where}.")
+
+
 class Fields:
     """Typed access to a body's fields; tracks which were read so the rest can be refused."""
 
@@ -40,60 +57,49 @@ class Fields:
         self.seen.add(key)
         return self.body.get(key)
 
-    def text(self, key: str, *, required: bool = False) -> str | None:
+    def _typed(self, key: str, kind: type | tuple[type, ...], want: str) -> Any:
+        """The field, None when absent or null, 400 when not of ``kind``."""
         v = self.raw(key)
-        if v is None:
-            if required:
-                raise bad_request(f"Missing required parameter '{self._name(key)}'",
-                                  self._name(key))
-            return None
-        if not isinstance(v, str):
-            raise self._type(key, "a string", v)
+        # JSON's true/false are Python ints: a bool is only ever a flag
+        if v is not None and (isinstance(v, bool) is not (kind is bool)
+                              or not isinstance(v, kind)):
+            raise self._type(key, want, v)
+        return v
+
+    def text(self, key: str, *, required: bool = False) -> str | None:
+        v: str | None = self._typed(key, str, "a string")
+        if v is None and required:
+            raise bad_request(f"Missing required parameter '{self._name(key)}'",
+                              self._name(key))
         return v
 
     def flag(self, key: str) -> bool | None:
-        v = self.raw(key)
-        if v is None:
-            return None
-        if not isinstance(v, bool):
-            raise self._type(key, "true or false", v)
+        v: bool | None = self._typed(key, bool, "true or false")
         return v
 
     def integer(self, key: str, *, minimum: int | None = None) -> int | None:
-        v = self.raw(key)
-        if v is None:
-            return None
+        v: int | None = self.raw(key)
         if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int):
+            v = int(v)  # 2.0 from a client that writes every number as a float
+        elif v is not None and (isinstance(v, bool) or not isinstance(v, int)):
             raise self._type(key, "an integer", v)
-        if minimum is not None and v < minimum:
+        if v is not None and minimum is not None and v < minimum:
             raise bad_request(f"Invalid '{self._name(key)}': {v} (must be >= {minimum})",
                               self._name(key), code="invalid_value")
         return v
 
     def number(self, key: str) -> float | None:
-        v = self.raw(key)
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        v = self._typed(key, (int, float), "a number")
+        if v is not None and not math.isfinite(v):
             raise self._type(key, "a number", v)
-        return float(v)
+        return None if v is None else float(v)
 
     def obj(self, key: str) -> dict[str, Any] | None:
-        v = self.raw(key)
-        if v is None:
-            return None
-        if not isinstance(v, dict):
-            raise self._type(key, "an object", v)
+        v: dict[str, Any] | None = self._typed(key, dict, "an object")
         return v
 
     def array(self, key: str) -> list[Any] | None:
-        v = self.raw(key)
-        if v is None:
-            return None
-        if not isinstance(v, list):
-            raise self._type(key, "an array", v)
+        v: list[Any] | None = self._typed(key, list, "an array")
         return v
 
     def stop(self, key: str = "stop") -> list[str] | None:

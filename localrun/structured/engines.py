@@ -121,17 +121,6 @@ def mlx_processor(mask: TokenMask, n_prompt: int) -> Callable[[Any, Any], Any]:
     return process
 
 
-# -- ONNX Runtime GenAI --------------------------------------------------------------------
-
-
-def onnx_mask_logits(generator: Any, mask: TokenMask) -> None:
-    """Before ``generate_next_token``: the allowed tokens only."""
-    import numpy as np
-
-    logits = generator.get_logits()
-    generator.set_logits(np.ascontiguousarray(mask.apply(logits), dtype=np.float32))
-
-
 # -- OpenVINO GenAI ------------------------------------------------------------------------
 
 OPENVINO_HINT = "pip install -U 'openvino-genai>=2025.3' (StructuredOutputConfig)"

@@ -104,7 +104,7 @@ NOT_CARRIED = {
     "websockets": "exllamav2.server only (not imported by the engine or its converter)",
     "llguidance": "exllamav3 imports it inside try/except (grammar filters only)",
     "triton-windows": "Windows only",
-    # localrun's Hub client (localrun/hub.py, imported only for Hub names): the kit loads
+    # localrun's Hub client (localrun/hub/, imported only for Hub names): the kit loads
     # local files, and the GPU machine has no network (its huggingface-hub is 1.x)
     "httpx2": "localrun.hub only (the kit loads local files; no network there)",
 }

@@ -1,0 +1,510 @@
+"""Many llama.cpp sequences decoded together in one context (continuous batching), and the
+KV cells they leave behind kept for the next calls (prefix reuse): the
+:class:`~localrun.backends.base.Batcher` of the llama.cpp session
+(:mod:`localrun.backends.llama_cpp`), on llama-cpp-python's low-level API.
+
+**One context, one KV stream per slot.** The batcher makes a second ``llama_context``
+over the session's ``llama_model`` (the weights are shared) with :attr:`capacity` slots:
+``n_seq_max`` = capacity and ``kv_unified`` off, so each slot is a KV stream as long as
+the session's context: a sequence can reach the whole context as it could alone, and
+its attention sees only its own cells, at the positions they would have alone. The
+price is memory, capacity times the session's KV cache, kept within :data:`KV_BUDGET`
+by :func:`batch_capacity`. (One unified stream would share cells, but measured here, 2
+of 4 greedy replies then left the single path's within 40 tokens: a sequence's cells
+sit among its neighbours' and the attention sums them in another order.)
+
+**A step** decodes one token of every sequence that is generating, all in one
+``llama_decode`` of one ``llama_batch`` (one row per slot, in slot order), and each
+draws its next token from its own sampler chain at its row of the logits. Then new
+sequences' prompts are fed, each in a decode of its own, up to about ``n_batch`` tokens
+per step (a long prompt goes over several steps while the others keep generating).
+llama.cpp cuts a batch over several streams into ubatches of *consecutive* seq ids, so
+the sequences in flight are kept on consecutive slots: a new one takes a free slot that
+fills a gap in the run or extends it (a gap costs one more pass over the weights).
+
+**The single path's tokens.** llama.cpp's CPU kernels are not batch-invariant: flash
+attention computes a ubatch of 64+ tokens of one stream with a tiled kernel and fewer
+row by row, and splits the cells of a lone one-token decode over the threads once they
+pass 256. So prompts are fed as :meth:`LlamaCppBatcher._chunk` says (chunks of 64+
+tokens, alone in their decode), and a sequence's tokens are those of
+``Session.generate`` (greedy, or sampled with the same seed) with or without
+neighbours, with or without a reused prefix, while it stays under 256 cells; past
+that, a lone sequence and one decoded beside others may part (as in llama-server).
+
+**Sampling** is the single path's chain (:func:`~localrun.backends.llama_cpp.temperature_first`),
+built from the same llama.cpp samplers in the same order: the structured-output mask
+(llguidance, as :func:`~localrun.structured.engines.llama_cpp_processors` applies it),
+the repetition penalty over the last ``last_n_tokens_size`` tokens, then greedy, or the
+temperature, top_k, top_p, min_p and the seeded draw. A constraint is enforced per
+sequence: its matcher is fed each token drawn, as in the single path.
+
+**KV reuse.** A slot keeps the cells of the sequence that last ran in it. A new prompt
+takes the free slot whose cells share the longest prefix with it (at least
+:data:`MIN_REUSE` tokens; else the least recently used slot), among those that keep the
+run consecutive, trims them to that prefix (``llama_memory_seq_rm``) and prefills
+only the rest: the next turn of a chat prefills the new message, an agent alternating
+system prompts finds each in its own slot. When a longer prefix is held elsewhere (by a
+sequence in flight, or a slot off the run), its cells are copied over
+(``llama_state_seq_get_data``/``set_data``: that sequence's cells only) if that saves
+at least :data:`MIN_COPY` prompt tokens.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from localrun.backends.base import Batcher, GenerationStats, Prompt
+from localrun.errors import GenerationError, LocalrunError
+from localrun.sampling import ResolvedSampling
+from localrun.structured.grammar import TokenMask
+
+if TYPE_CHECKING:
+    from localrun.backends.llama_cpp import LlamaCppSession
+
+#: Most sequences in flight. On this 2-core CPU a step of 8 small-model sequences costs
+#: about two single steps (docs/results/llama_batch.md); more would mostly add memory.
+MAX_CAPACITY = 8
+#: Bytes the batch context's KV cache may take (capacity x the session's KV cache), and
+#: at most a quarter of the RAM available when the batcher is built.
+KV_BUDGET = 2 << 30
+#: Common prefix (tokens) that makes a slot worth taking for its cells: below it (a
+#: chat template's first line) the least recently used slot is taken, so that the
+#: slots holding long prefixes keep them.
+MIN_REUSE = 32
+#: Prompt tokens a copy of another slot's cells must save to be worth its memcpy.
+MIN_COPY = 32
+#: Query rows from which llama.cpp's CPU flash attention takes its tiled kernel
+#: (GGML_FA_TILE_Q in ggml-cpu/common.h); see LlamaCppBatcher._chunk.
+TILE = 64
+#: Prompt tokens compared at once when looking for a common prefix (C-speed slices).
+_CHUNK = 256
+
+
+def batch_capacity(stream_bytes: int, available: int | None) -> int:
+    """Slots that fit: each holds ``stream_bytes`` of KV cache (the session's context)."""
+    budget = KV_BUDGET if available is None else min(KV_BUDGET, available // 4)
+    return int(min(MAX_CAPACITY, budget // max(stream_bytes, 1)))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n:  # whole chunks compared as slices, then the first differing one by token
+        j = min(i + _CHUNK, n)
+        if a[i:j] == b[i:j]:
+            i = j
+            continue
+        while a[i] == b[i]:
+            i += 1
+        return i
+    return n
+
+
+class _Seq:
+    """One sequence in flight: its tokens (prompt, then reply), how many of them have KV
+    cells in its slot, and its own sampler chain, grammar matcher and UTF-8 decoder."""
+
+    __slots__ = ("chain", "decoder", "key", "limit", "mask", "n_gen", "n_past",
+                 "order", "out", "slot", "stats", "tokens")
+
+    def __init__(self, key: int, slot: int, tokens: list[int], n_past: int, limit: int,
+                 chain: Any, mask: TokenMask | None, stats: GenerationStats,
+                 order: int) -> None:
+        self.key = key
+        self.slot = slot
+        self.tokens = tokens
+        self.n_past = n_past  # tokens[:n_past] have cells (positions 0 .. n_past-1)
+        self.limit = limit
+        self.chain = chain
+        self.mask = mask
+        self.stats = stats
+        self.order = order  # admission order: older prompts are prefilled first
+        self.n_gen = 0
+        self.out = -1  # row of this step's batch whose logits it samples from, or -1
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+
+class _Slot:
+    """One KV stream: the sequence running in it, or the tokens whose cells it kept."""
+
+    __slots__ = ("cells", "id", "seq", "used")
+
+    def __init__(self, sid: int) -> None:
+        self.id = sid
+        self.seq: _Seq | None = None
+        self.cells: list[int] = []  # when idle: the tokens at positions 0 .. len-1
+        self.used = 0.0  # perf_counter() when its last sequence ended (LRU)
+
+    def held(self) -> list[int]:
+        seq = self.seq
+        return self.cells if seq is None else seq.tokens[:seq.n_past]
+
+
+class LlamaCppBatcher(Batcher):
+    """Sequences of one llama.cpp session through one multi-slot context (see the module
+    docstring). Built by :meth:`LlamaCppSession.batcher`; ``capacity`` slots of
+    ``n_ctx_seq`` tokens each."""
+
+    def __init__(self, session: LlamaCppSession, capacity: int, n_ctx_seq: int) -> None:
+        import numpy as np
+
+        lc = session._lc
+        llm = session._llm
+        self._lc = lc
+        self._session = session
+        self.capacity = capacity
+        self.n_ctx_seq = n_ctx_seq
+        params = lc.llama_context_params.from_buffer_copy(llm.context_params)
+        params.n_seq_max = capacity
+        params.n_ctx = capacity * n_ctx_seq
+        params.kv_unified = False
+        ctx = lc.llama_init_from_model(llm._model.model, params)
+        if not ctx:
+            raise LocalrunError(
+                f"llama.cpp could not make a batch context of {capacity} x {n_ctx_seq} tokens",
+                hint="load the model with a smaller context (context=...)")
+        self._ctx: Any = ctx
+        self._mem = lc.llama_get_memory(ctx)
+        self._vocab = session._vocab
+        self._n_vocab = int(llm.n_vocab())
+        self._last_n = int(llm.last_n_tokens_size)
+        self._n_batch = max(int(lc.llama_n_batch(ctx)), capacity)
+        # a prompt chunk is one ubatch (see _chunk)
+        self._n_chunk = min(self._n_batch, int(lc.llama_n_ubatch(ctx)))
+        # The batch's arrays are ours (numpy, so that a prompt chunk is one slice
+        # assignment); llama_decode only reads the struct. Never llama_batch_free'd.
+        n = self._n_batch
+        self._np = np
+        self._token = np.zeros(n, dtype=np.int32)
+        self._pos = np.zeros(n, dtype=np.int32)
+        self._nsid = np.ones(n, dtype=np.int32)
+        self._sid = np.zeros(n, dtype=np.int32)
+        self._logits = np.zeros(n, dtype=np.int8)
+        sid_ptrs = (ctypes.POINTER(ctypes.c_int32) * n)()
+        base = self._sid.ctypes.data
+        for i in range(n):
+            sid_ptrs[i] = ctypes.cast(base + 4 * i, ctypes.POINTER(ctypes.c_int32))
+        self._sid_ptrs = sid_ptrs
+        batch = lc.llama_batch()
+        batch.token = self._token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        batch.embd = None
+        batch.pos = self._pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        batch.n_seq_id = self._nsid.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        batch.seq_id = ctypes.cast(sid_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
+        batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = batch
+        self._slots = [_Slot(i) for i in range(capacity)]
+        self._seqs: dict[int, _Seq] = {}
+        self._ended: list[tuple[int, str | None]] = []  # ends for the next step to report
+        self._admitted = 0
+
+    # -- the Batcher contract ------------------------------------------------------------
+
+    def add(self, key: int, prompt: Prompt, sampling: ResolvedSampling,
+            stats: GenerationStats) -> None:
+        if self._ctx is None:
+            raise LocalrunError("the llama.cpp batcher is closed",
+                                hint="load the model again")
+        if key in self._seqs:
+            raise LocalrunError(f"sequence {key} is already in the llama.cpp batch")
+        stats.started = time.perf_counter()
+        tokens = list(prompt.tokens)
+        if not tokens:
+            raise LocalrunError("llama.cpp cannot generate from an empty prompt",
+                                hint="give a prompt of at least one token")
+        limit = min(sampling.max_tokens, self.n_ctx_seq - len(tokens))
+        if limit <= 0:  # the driver keeps prompts within the context; never a crash here
+            stats.finish_reason = "length"
+            self._ended.append((key, None))
+            return
+        grammar = self._session._grammar
+        mask = grammar.mask(sampling.constraint) if sampling.constraint is not None else None
+        slot, keep = self._place(tokens)
+        self._admitted += 1
+        seq = _Seq(key, slot.id, tokens, keep, limit, self._chain(sampling, mask), mask,
+                   stats, self._admitted)
+        slot.seq = seq
+        self._seqs[key] = seq
+        stats.prefill_tokens = len(tokens) - keep
+
+    def cancel(self, key: int) -> None:
+        seq = self._seqs.get(key)
+        if seq is None:
+            return  # already ended (and reported)
+        self._release(seq)
+        self._ended.append((key, None))
+
+    def step(self) -> list[tuple[int, str | None]]:
+        events, self._ended = self._ended, []
+        live = [s.seq for s in self._slots if s.seq is not None]
+        if not live or self._ctx is None:
+            return events
+        lc, ctx = self._lc, self._ctx
+        sample = lc.llama_sampler_sample
+        drawn: list[tuple[_Seq, int]] = []
+        decoding = [q for q in live if q.n_gen and q.n_past == len(q.tokens) - 1]
+        if decoding:  # one token each, in one decode (slot order: consecutive streams)
+            t0 = time.perf_counter()
+            self._decode([(q, 1) for q in decoding], live)
+            for q in decoding:
+                drawn.append((q, sample(q.chain.sampler, ctx, q.out)))
+            dt = time.perf_counter() - t0
+            for q in decoding:
+                q.stats.decode_tokens += 1
+                q.stats.decode_seconds += dt
+        rows = 0
+        for q in sorted((q for q in live if not q.n_gen or q.n_past < len(q.tokens) - 1),
+                        key=lambda q: q.order):
+            k = self._chunk(q)
+            if rows and rows + k > self._n_batch:
+                break  # the rest next step: a step stays about n_batch tokens long
+            t0 = time.perf_counter()
+            self._decode([(q, k)], live)  # a decode of its own: see _chunk
+            if q.out >= 0:
+                drawn.append((q, sample(q.chain.sampler, ctx, q.out)))
+            q.stats.prefill_seconds += time.perf_counter() - t0
+            rows += k
+        for q, token in drawn:
+            self._take(q, token, events)
+        return events
+
+    def _take(self, seq: _Seq, token: int, events: list[tuple[int, str | None]]) -> None:
+        """A token drawn for ``seq``: its end, or its piece."""
+        key = seq.key
+        if self._lc.llama_vocab_is_eog(self._vocab, token):
+            seq.stats.finish_reason = "stop"
+            tail = seq.decoder.decode(b"", final=True)
+            if tail:
+                events.append((key, tail))
+            self._end(seq, events)
+            return
+        if seq.mask is not None:
+            try:
+                seq.mask.consume(token)
+            except LocalrunError as e:  # this sequence alone: the others go on
+                seq.stats.error = e
+                self._end(seq, events)
+                return
+        seq.tokens.append(token)
+        seq.n_gen += 1
+        seq.stats.completion_tokens = seq.n_gen
+        piece = seq.decoder.decode(self._session._piece(token))
+        if seq.n_gen >= seq.limit:
+            seq.stats.finish_reason = "length"
+            events.append((key, piece + seq.decoder.decode(b"", final=True)))
+            self._end(seq, events)
+        else:
+            events.append((key, piece))
+
+    def close(self) -> None:
+        ctx, self._ctx = getattr(self, "_ctx", None), None
+        if ctx is None:
+            return
+        for seq in list(self._seqs.values()):
+            self._ended.append((seq.key, None))
+            self._release(seq)
+        self._lc.llama_free(ctx)
+
+    # -- placing a new sequence ------------------------------------------------------------
+
+    def _place(self, tokens: list[int]) -> tuple[_Slot, int]:
+        """The slot a new prompt runs in, and how many of its tokens already have cells
+        there (trimmed to them, copied from another slot when that saves enough)."""
+        free = [s for s in self._slots if s.seq is None]
+        if not free:
+            raise LocalrunError(f"all {self.capacity} llama.cpp batch slots are busy",
+                                hint="admit no more than Batcher.capacity sequences")
+        live = sorted(s.id for s in self._slots if s.seq is not None)
+        if live:
+            lo, hi = live[0], live[-1]
+            gaps = [s for s in free if lo < s.id < hi]
+            candidates = gaps or [s for s in free if s.id in (lo - 1, hi + 1)]
+        else:
+            candidates = free
+        # the last prompt token is always fed (its logits are drawn from), and a prompt of
+        # TILE tokens or more feeds at least TILE (computed as when fed whole: _chunk)
+        room = len(tokens) - (TILE if len(tokens) >= TILE else 1)
+
+        def reuse(slot: _Slot) -> int:
+            return min(common_prefix(slot.held(), tokens), room)
+
+        reuses = {s.id: reuse(s) for s in self._slots}
+
+        def worth(slot: _Slot) -> tuple[int, float]:
+            n = reuses[slot.id]
+            return (n if n >= MIN_REUSE else 0), -slot.used
+
+        slot = max(candidates, key=worth)  # the longest prefix, else the LRU slot
+        keep = reuses[slot.id]
+        source = max(self._slots, key=lambda s: reuses[s.id])
+        if source is not slot and reuses[source.id] - keep >= MIN_COPY and \
+                self._copy(source.id, slot.id):
+            keep = reuses[source.id]
+        self._lc.llama_memory_seq_rm(self._mem, slot.id, keep, -1)
+        return slot, keep
+
+    def _copy(self, src: int, dst: int) -> bool:
+        """Copy slot ``src``'s cells into slot ``dst`` (cleared first); False if llama.cpp
+        could not (``dst`` is then empty)."""
+        lc, np = self._lc, self._np
+        lc.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        size = int(lc.llama_state_seq_get_size(self._ctx, src))
+        if size <= 0:
+            return False
+        buf = np.empty(size, dtype=np.uint8)
+        ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        got = int(lc.llama_state_seq_get_data(self._ctx, ptr, size, src))
+        if got <= 0 or int(lc.llama_state_seq_set_data(self._ctx, ptr, got, dst)) <= 0:
+            lc.llama_memory_seq_rm(self._mem, dst, -1, -1)
+            return False
+        return True
+
+    def _chain(self, sampling: ResolvedSampling, mask: TokenMask | None) -> Any:
+        """The single path's sampler chain for one sequence (llama_cpp.temperature_first
+        over ``Llama._init_sampler``): same samplers, same order, same seed."""
+        from llama_cpp import _internals
+
+        chain: Any = getattr(_internals, "LlamaSampler")()  # noqa: B009 - untyped upstream
+        if mask is not None:
+            chain.add_custom(_masking(self._lc, mask))
+        chain.add_penalties(self._n_vocab, self._last_n, sampling.repetition_penalty, 0.0, 0.0)
+        if sampling.temperature <= 0:
+            chain.add_greedy()
+            return chain
+        assert sampling.seed is not None, "the driver sets the seed"
+        chain.add_temp(sampling.temperature)
+        chain.add_top_k(sampling.top_k)
+        chain.add_typical(1.0, 1)
+        chain.add_top_p(sampling.top_p, 1)
+        chain.add_min_p(sampling.min_p, 1)
+        # as the single path: 2**32 - 1 means "random" to llama.cpp, so it goes in as 0
+        chain.add_dist(sampling.seed % self._lc.LLAMA_DEFAULT_SEED)
+        return chain
+
+    # -- one step ------------------------------------------------------------------------
+
+    def _chunk(self, seq: _Seq) -> int:
+        """Prompt tokens to feed ``seq`` now. llama.cpp's CPU flash attention computes a
+        ubatch of at least :data:`TILE` tokens of one stream with its tiled kernel and a
+        shorter one row by row, which rounds differently (logits apart by up to ~1 on
+        SmolLM2). So a prompt of TILE tokens or more is always fed in chunks of at least
+        TILE (the last one too), alone in its decode: every prompt token is then computed
+        as when the whole prompt is fed at once, whatever was reused or ran beside it."""
+        left = len(seq.tokens) - seq.n_past
+        k = min(left, self._n_chunk)
+        if len(seq.tokens) >= TILE and 0 < left - k < TILE and self._n_chunk >= 2 * TILE:
+            k = left - TILE
+        return k
+
+    def _decode(self, feed: list[tuple[_Seq, int]], live: list[_Seq]) -> None:
+        """One llama_decode of ``k`` next tokens of each sequence; the logits of a
+        sequence's last token are kept (``seq.out``) when that is the last it has."""
+        np = self._np
+        n = 0
+        for seq, k in feed:
+            start = seq.n_past
+            if k == 1:
+                self._token[n] = seq.tokens[start]
+                self._pos[n] = start
+                self._sid[n] = seq.slot
+                self._logits[n] = 0
+            else:
+                self._token[n:n + k] = seq.tokens[start:start + k]
+                self._pos[n:n + k] = np.arange(start, start + k, dtype=np.int32)
+                self._sid[n:n + k] = seq.slot
+                self._logits[n:n + k] = 0
+            n += k
+            seq.n_past = start + k
+            if seq.n_past == len(seq.tokens):
+                self._logits[n - 1] = 1
+                seq.out = n - 1
+            else:
+                seq.out = -1
+        self._batch.n_tokens = n
+        rc = self._lc.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            self._forget_cells(live)
+            raise GenerationError("llama.cpp", f"llama_decode returned {rc} for a batch of "
+                                  f"{n} tokens over {len(feed)} sequences")
+
+    def _end(self, seq: _Seq, events: list[tuple[int, str | None]]) -> None:
+        self._release(seq)
+        events.append((seq.key, None))
+
+    def _release(self, seq: _Seq) -> None:
+        """The sequence leaves; its slot keeps its cells for the next prompts."""
+        slot = self._slots[seq.slot]
+        slot.cells = seq.tokens[:seq.n_past]
+        slot.seq = None
+        slot.used = time.perf_counter()
+        del self._seqs[seq.key]
+        seq.chain.close()
+
+    def _forget_cells(self, live: list[_Seq]) -> None:
+        """After a failed decode: what the slots hold is no longer known; clear them."""
+        for seq in live:
+            self._lc.llama_memory_seq_rm(self._mem, seq.slot, -1, -1)
+            seq.n_past = 0
+
+
+def _masking(lc: Any, mask: TokenMask) -> Callable[[Any], None]:
+    """The structured-output mask as a custom sampler (llama-cpp-python's own
+    ``logits_processor`` wrapper in ``Llama._init_sampler``): first in the chain, it sees
+    the whole vocabulary in token-id order."""
+    import numpy as np
+
+    dtype = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
+
+    def apply(cur_p: Any) -> None:
+        size = cur_p.contents.size
+        data = (lc.llama_token_data * size).from_address(
+            ctypes.addressof(cur_p.contents.data.contents))
+        rec = np.recarray(shape=(size,), dtype=dtype, buf=data)
+        rec.logit[:] = mask.apply(rec.logit)
+
+    return apply
+
+
+def make_batcher(session: LlamaCppSession) -> LlamaCppBatcher | None:
+    """The batcher for a session, with as many slots as fit (None: fewer than two)."""
+    n_ctx_seq = -(-int(session._llm.n_ctx()) // 256) * 256  # llama.cpp pads streams to 256
+    capacity = batch_capacity(n_ctx_seq * kv_bytes_per_token(session), _available_ram())
+    if capacity < 2:
+        return None
+    return LlamaCppBatcher(session, capacity, n_ctx_seq)
+
+
+def kv_bytes_per_token(session: LlamaCppSession) -> int:
+    """KV cache bytes per token of the session's model, in its KV cache type."""
+    from localrun.backends.llama_cpp import KV_TYPES
+
+    lc, model = session._lc, session._llm._model.model
+    n_head = max(int(lc.llama_model_n_head(model)), 1)
+    head_dim = int(lc.llama_model_n_embd(model)) // n_head
+    try:
+        from localrun.formats.gguf import read_gguf
+        from localrun.memory import shape_from_gguf_metadata
+
+        shape = shape_from_gguf_metadata(read_gguf(session.info.path).metadata)
+    except (LocalrunError, OSError, ValueError):
+        shape = None
+    if shape is not None:  # the GGUF's own key/value length (Gemma's differs)
+        head_dim = shape.head_dim
+    type_k = str(session.placement.kwargs.get("type_k", "GGML_TYPE_F16"))
+    elem = next((b for name, b in KV_TYPES.values() if name == type_k), 2.0)
+    per = 2 * int(lc.llama_model_n_layer(model)) * int(lc.llama_model_n_head_kv(model))
+    return int(per * head_dim * elem)
+
+
+def _available_ram() -> int | None:
+    import platform
+
+    from localrun.hardware.host import probe_ram
+    from localrun.hardware.system import Notes
+
+    return probe_ram(platform.system(), Notes())[1]

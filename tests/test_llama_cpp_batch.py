@@ -1,0 +1,323 @@
+"""llama.cpp's Batcher (localrun.backends.llama_cpp_batch) on the real engine and the
+SmolLM2 Q8_0 fixture: several sequences in one context give each one's single-path
+tokens, join and leave between steps, keep their KV cells for the next prompts, and
+free the context on close."""
+
+from __future__ import annotations
+
+import json
+import resource
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from localrun.backends.base import GenerationStats, LoadRequest, Prompt
+from localrun.errors import LocalrunError
+from localrun.sampling import ResolvedSampling
+from localrun.structured.constraint import Constraint
+from localrun.types import CancelToken
+from tests.conftest import requires_llama
+from tests.models import test_model
+
+pytestmark = requires_llama
+
+CONTEXT = 1024
+QUESTIONS = ("What is 2+2?", "What color is the sky on a clear day?", "Name a fruit.",
+             "Tell me about Paris.")
+#: a system prompt that makes a prompt longer than TILE (64) tokens: fed through llama.cpp's
+#: tiled attention kernel, where the short ones go row by row
+SYSTEM = ("You are a friendly assistant for a small bakery in Lyon. You answer questions "
+          "about bread, cakes, opening hours and orders, briefly and politely. " * 3)
+
+
+def sampling(**kw: Any) -> ResolvedSampling:
+    base: dict[str, Any] = dict(max_tokens=24, temperature=0.0, top_p=1.0, top_k=0,
+                                min_p=0.0, repetition_penalty=1.0, seed=0, stop=())
+    base.update(kw)
+    return ResolvedSampling(**base)
+
+
+@pytest.fixture(scope="module")
+def session() -> Iterator[Any]:
+    from localrun.backends.llama_cpp import LlamaCppSession
+
+    path = test_model("gguf-q8_0")
+    s = LlamaCppSession(LoadRequest(path=str(path), format="gguf", context=CONTEXT))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def batcher(session: Any) -> Iterator[Any]:
+    from localrun.backends.llama_cpp_batch import LlamaCppBatcher
+
+    b = LlamaCppBatcher(session, 4, CONTEXT)
+    yield b
+    b.close()
+
+
+def chat(session: Any, text: str, system: str | None = None) -> Prompt:
+    messages = [{"role": "system", "content": system}] if system else []
+    return session.encode_chat([*messages, {"role": "user", "content": text}])  # type: ignore
+
+
+def alone(session: Any, prompt: Prompt, s: ResolvedSampling) -> tuple[str, GenerationStats]:
+    """The single path: Session.generate, llama-cpp-python's Llama.generate, from a clean
+    context (its own prefix match off: the reference is the prompt computed whole)."""
+    session._llm.reset()
+    stats = GenerationStats()
+    return "".join(session.generate(prompt, s, CancelToken(), stats)), stats
+
+
+def shared(a: Prompt, b: Prompt) -> int:
+    return next(i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)) if x != y)
+
+
+def reused(before: Prompt, prompt: Prompt) -> int:
+    """Tokens of ``prompt`` the batcher takes from cells ``before`` left: the common
+    prefix, less the last TILE tokens (or the last one, for a prompt shorter than TILE)."""
+    n = len(prompt.tokens)
+    return min(shared(before, prompt), n - (64 if n >= 64 else 1))
+
+
+def drain(b: Any, texts: dict[int, str], until: set[int] | None = None,
+          max_steps: int = 500) -> list[int]:
+    """Step until the sequences ``until`` (default: every one in ``texts``) have ended;
+    return the keys in the order they ended."""
+    want = set(texts) if until is None else until
+    ended: list[int] = []
+    for _ in range(max_steps):
+        for key, piece in b.step():
+            if piece is None:
+                assert key not in ended, f"sequence {key} ended twice"
+                ended.append(key)
+            else:
+                assert key not in ended, f"a piece for sequence {key} after its end"
+                texts[key] += piece
+        if want <= set(ended):
+            return ended
+    raise AssertionError(f"not done after {max_steps} steps: {want - set(ended)}")
+
+
+def test_greedy_batch_equals_single_path(session: Any, batcher: Any) -> None:
+    prompts = [chat(session, q, SYSTEM if k % 2 else None) for k, q in enumerate(QUESTIONS)]
+    assert len(prompts[1].tokens) > 64 > len(prompts[0].tokens)
+    want = [alone(session, p, sampling())[0] for p in prompts]
+    stats = [GenerationStats() for _ in prompts]
+    for k, p in enumerate(prompts):
+        batcher.add(k, p, sampling(), stats[k])
+    texts = dict.fromkeys(range(len(prompts)), "")
+    drain(batcher, texts)
+    assert [texts[k] for k in range(len(prompts))] == want
+    for k, p in enumerate(prompts):
+        assert stats[k].finish_reason in ("stop", "length")
+        assert stats[k].prefill_tokens == len(p.tokens)
+        assert 0 < stats[k].completion_tokens <= 24
+        assert stats[k].started > 0 and stats[k].prefill_seconds > 0
+    # one decode step per token after the first (the EOS or the limit ends it)
+    assert all(s.decode_tokens == s.completion_tokens - (s.finish_reason == "length")
+               for s in stats)
+
+
+def test_each_sequence_its_own_sampling_and_limit(session: Any, batcher: Any) -> None:
+    """Seeded sampling with every filter, a penalty, and limits that differ: each
+    sequence draws exactly what it draws alone (the same chain, the same seed)."""
+    prompts = [chat(session, q) for q in QUESTIONS]
+    samplings = [
+        sampling(max_tokens=5),
+        sampling(temperature=0.9, seed=7, max_tokens=30),
+        sampling(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
+                 seed=3, max_tokens=17),
+        sampling(temperature=50.0, top_p=0.05, seed=11, max_tokens=9),
+    ]
+    want = [alone(session, p, s) for p, s in zip(prompts, samplings, strict=True)]
+    stats = [GenerationStats() for _ in prompts]
+    for k, (p, s) in enumerate(zip(prompts, samplings, strict=True)):
+        batcher.add(k, p, s, stats[k])
+    texts = dict.fromkeys(range(4), "")
+    drain(batcher, texts)
+    for k in range(4):
+        text, single = want[k]
+        assert texts[k] == text, (k, texts[k], text)
+        assert stats[k].finish_reason == single.finish_reason
+        assert stats[k].completion_tokens == single.completion_tokens
+    assert stats[0].completion_tokens == 5 and stats[0].finish_reason == "length"
+
+
+def test_cancel_one_mid_flight(session: Any, batcher: Any) -> None:
+    prompts = [chat(session, q) for q in QUESTIONS[:3]]
+    s = sampling(max_tokens=20, temperature=0.8, seed=5)
+    want = [alone(session, p, s)[0] for p in prompts]
+    stats = [GenerationStats() for _ in prompts]
+    for k, p in enumerate(prompts):
+        batcher.add(k, p, s, stats[k])
+    texts = dict.fromkeys(range(3), "")
+    for _ in range(4):
+        for key, piece in batcher.step():
+            assert piece is not None
+            texts[key] += piece
+    batcher.cancel(1)
+    batcher.cancel(1)  # twice, and for a key never added: no effect
+    batcher.cancel(99)
+    first = batcher.step()
+    assert (1, None) in first and sum(1 for k, p in first if k == 1) == 1
+    for key, piece in first:
+        if piece is not None:
+            texts[key] += piece
+    assert stats[1].completion_tokens == 4 and want[1].startswith(texts[1])
+    drain(batcher, texts, until={0, 2})
+    assert (texts[0], texts[2]) == (want[0], want[2])
+    assert batcher._slots[1].seq is None  # its slot is free for the next sequence
+
+
+def test_admit_while_others_decode(session: Any, batcher: Any) -> None:
+    """A sequence added between steps prefills while the others keep decoding."""
+    prompts = [chat(session, q, SYSTEM if k >= 2 else None) for k, q in enumerate(QUESTIONS)]
+    s = sampling(max_tokens=16)
+    want = [alone(session, p, s)[0] for p in prompts]
+    texts = dict.fromkeys(range(4), "")
+    stats = [GenerationStats() for _ in prompts]
+    batcher.add(0, prompts[0], s, stats[0])
+    batcher.add(1, prompts[1], s, stats[1])
+    for _ in range(3):
+        for key, piece in batcher.step():
+            assert piece is not None
+            texts[key] += piece
+    batcher.add(2, prompts[2], s, stats[2])
+    mixed = batcher.step()  # a decode token of 0 and 1, and the prompt of 2
+    assert {k for k, p in mixed if p is not None} == {0, 1, 2}
+    for key, piece in mixed:
+        texts[key] += piece or ""
+    batcher.add(3, prompts[3], s, stats[3])
+    drain(batcher, texts)
+    assert [texts[k] for k in range(4)] == want
+
+
+def test_prefix_reuse_several_prompts(session: Any, batcher: Any) -> None:
+    """Two system prompts in turn, as an agent alternating tools: each finds its cells
+    in its own slot and prefills only the new message; the reply is the one without
+    reuse."""
+    long_a = "You are a careful assistant. You check every fact twice. " * 12
+    long_b = "You answer in one short sentence, like a telegram. " * 12
+    s = sampling(max_tokens=12)
+
+    def run(key: int, prompt: Prompt) -> tuple[str, GenerationStats]:
+        stats = GenerationStats()
+        batcher.add(key, prompt, s, stats)
+        texts = {key: ""}
+        drain(batcher, texts)
+        return texts[key], stats
+
+    a1, b1 = chat(session, "Hi.", long_a), chat(session, "Hi.", long_b)
+    run(0, a1)
+    run(1, b1)
+    a2, b2 = chat(session, "Name a color.", long_a), chat(session, "Name a color.", long_b)
+    text_a, stats_a = run(2, a2)
+    text_b, stats_b = run(3, b2)
+    assert len(a2.tokens) - reused(a1, a2) == stats_a.prefill_tokens < len(a2.tokens) // 2
+    assert len(b2.tokens) - reused(b1, b2) == stats_b.prefill_tokens < len(b2.tokens) // 2
+    assert text_a == alone(session, a2, s)[0]
+    assert text_b == alone(session, b2, s)[0]
+    # the same prompt again: only its last 64 tokens are fed
+    again, stats = run(4, a2)
+    assert stats.prefill_tokens == 64 and again == text_a
+
+
+def test_shared_prefix_copied_from_a_running_sequence(session: Any, batcher: Any) -> None:
+    """Two requests with one long system prompt at once: the second copies the first's
+    cells into its own slot instead of prefilling them."""
+    system = "You are a helpful assistant for a hardware store. " * 10
+    p1, p2 = chat(session, "Do you sell nails?", system), chat(session, "Name a tool.", system)
+    s = sampling(max_tokens=10)
+    want = [alone(session, p, s)[0] for p in (p1, p2)]
+    stats = [GenerationStats(), GenerationStats()]
+    texts = {0: "", 1: ""}
+    batcher.add(0, p1, s, stats[0])
+    for key, piece in batcher.step():  # prefilled, and its first token
+        texts[key] += piece or ""
+    batcher.add(1, p2, s, stats[1])
+    assert shared(p1, p2) > 100 and stats[1].prefill_tokens == len(p2.tokens) - reused(p1, p2)
+    drain(batcher, texts)
+    assert texts == {0: want[0], 1: want[1]}
+
+
+def test_structured_output_enforced_per_sequence(session: Any, batcher: Any) -> None:
+    """A schema-constrained sequence next to a free one: the constrained reply is valid
+    JSON and the single path's; the free one is untouched."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    constraint = Constraint.json(schema)
+    session.check_constraint(constraint)
+    p_json = chat(session, "Describe a person as JSON.")
+    p_free = chat(session, QUESTIONS[0])
+    s_json = sampling(max_tokens=40, constraint=constraint)
+    want_json = alone(session, p_json, s_json)[0]
+    want_free = alone(session, p_free, sampling())[0]
+    stats = [GenerationStats(), GenerationStats()]
+    batcher.add(0, p_json, s_json, stats[0])
+    batcher.add(1, p_free, sampling(), stats[1])
+    texts = {0: "", 1: ""}
+    drain(batcher, texts)
+    assert texts[0] == want_json and texts[1] == want_free
+    value = json.loads(texts[0])
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    assert stats[0].finish_reason == "stop"
+
+
+def test_close_frees_the_context(session: Any) -> None:
+    from localrun.backends.llama_cpp_batch import LlamaCppBatcher
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+
+    before = rss()
+    b = LlamaCppBatcher(session, 8, 2048)  # 8 x 2048 cells x 23 KB: about 360 MiB
+    kv = 8 * 2048 * 23040
+    assert rss() - before > kv * 0.8
+    stats = GenerationStats()
+    b.add(0, chat(session, QUESTIONS[0]), sampling(max_tokens=30), stats)
+    b.step()
+    b.close()
+    assert rss() - before < kv * 0.2
+    assert b.step() == [(0, None)]  # the sequence in flight ended
+    b.close()  # idempotent
+    with pytest.raises(LocalrunError, match="closed"):
+        b.add(1, chat(session, QUESTIONS[0]), sampling(), GenerationStats())
+
+
+def test_session_batcher_made_once_and_closed_with_it() -> None:
+    from localrun.backends.llama_cpp import LlamaCppSession
+
+    s = LlamaCppSession(LoadRequest(path=str(test_model("gguf-q8_0")), format="gguf",
+                                    context=512))
+    try:
+        b = s.batcher()
+        assert b is not None and s.batcher() is b and not s.batch_alone
+        assert b.capacity >= 2 and b.n_ctx_seq == 512
+    finally:
+        s.close()
+    assert b._ctx is None
+    s.close()
+
+
+def test_capacity_fits_the_budget() -> None:
+    from localrun.backends.llama_cpp_batch import KV_BUDGET, MAX_CAPACITY, batch_capacity
+
+    assert batch_capacity(1 << 20, None) == MAX_CAPACITY
+    assert batch_capacity(KV_BUDGET // 3, None) == 3
+    assert batch_capacity(KV_BUDGET // 3, 16 << 30) == 3
+    assert batch_capacity(1 << 30, 8 << 30) == 2  # a quarter of what is available
+    assert batch_capacity(1 << 30, 4 << 30) == 1  # the session then runs one at a time
+
+
+def test_common_prefix() -> None:
+    from localrun.backends.llama_cpp_batch import common_prefix
+
+    a = list(range(1000))
+    assert common_prefix(a, a) == 1000
+    assert common_prefix(a, a[:300]) == 300
+    assert common_prefix(a, [*a[:700], -1, *a[701:]]) == 700
+    assert common_prefix(a, [-1]) == 0 and common_prefix([], a) == 0
