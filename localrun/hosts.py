@@ -296,6 +296,16 @@ def _fit_vllm(p: HardwareProfile, c: Candidate, req: PlanRequest) -> Fit:
     return f"{kind}:" + ",".join(str(g.index) for g in used), why, extra
 
 
+def vllm_device(p: HardwareProfile) -> str:
+    """Every GPU vLLM would be started on here ("cuda:0,1"), else "cpu": where an explicit
+    vLLM plan that does not fit points (its warning says why loading will fail)."""
+    gpus = sorted(_discrete(p.nvidia_gpus) or _discrete(p.gpus_of("amd")), key=lambda g: g.index)
+    if not gpus:
+        return "cpu"
+    kind = "cuda" if gpus[0].vendor == "nvidia" else "rocm"
+    return f"{kind}:" + ",".join(str(g.index) for g in gpus)
+
+
 def installed_build_device(backend: str, device: str, installed: Mapping[str, str]
                      ) -> tuple[str, str, list[str]]:
     """The device again, or the CPU when the installed build cannot use it.

@@ -84,12 +84,13 @@ def plan_fetch(
     chosen = select(profile, engines, request)
     if request.format is not None or not hub or model is None:
         return chosen, None
-    return _with_hub(chosen, model, profile, engines, backend, context, quant, allow_unoptimized)
+    return _with_hub(chosen, model, profile, engines, backend, context, quant, allow_unoptimized,
+                     request)
 
 
 def _with_hub(chosen: Plan, model: str, profile: HardwareProfile, engines: Mapping[str, str],
-              backend: str, context: int | None, quant: str | None, allow_unoptimized: bool
-              ) -> tuple[Plan, FetchPlan]:
+              backend: str, context: int | None, quant: str | None, allow_unoptimized: bool,
+              request: PlanRequest) -> tuple[Plan, FetchPlan]:
     from localrun import hub as hubmod
     from localrun.errors import FormatMismatchError, NoVariantError, OfflineMissingError
 
@@ -105,6 +106,13 @@ def _with_hub(chosen: Plan, model: str, profile: HardwareProfile, engines: Mappi
         if backend != "auto":
             raise
         chosen, fp = _other_engine(e, chosen, profile, engines, model, attempt)
+    if chosen.backend == "vllm" and request.weights_bytes is None:
+        # Its tensor-parallel group was sized from the parameter count in the name
+        # ("Mixtral-8x22B" reads as 22B) or not at all: size it from the Hub's weights.
+        sized = select(profile, engines, replace(request, weights_bytes=fp.memory.weights_bytes))
+        if sized.backend == "vllm":
+            fp = attempt(sized) if sized.device != chosen.device else fp
+            chosen = sized
     mem = fp.memory.to_dict()
     mem.update(budget=fp.budget_bytes, context=fp.context, max_context=fp.max_context,
                fits=fp.fits, verdict=fp.verdict)

@@ -35,6 +35,7 @@ from localrun.hosts import (
     host_kind,
     installed_build_device,
     llama_offload,
+    vllm_device,
 )
 
 __all__ = ["DEVICE_FITS", "EMBED", "EXPLICIT_ONLY", "FALLBACKS", "HOST_TITLES",
@@ -360,7 +361,7 @@ def _explicit(profile: HardwareProfile, installed: Mapping[str, str], req: PlanR
     else:
         c, (_, bad, extra) = fits[0]
         device = {"cuda": "cuda:0", "cuda-multi": "cuda:0", "metal": "metal",
-                  "rocm": "rocm:0"}.get(c.device, "cpu")
+                  "rocm": "rocm:0", "vllm": vllm_device(profile)}.get(c.device, "cpu")
         hw_notes.append(f"warning: {name} {bad}: loading it on this host will fail")
         why = f"on {device}"
     plan = _plan(profile, req, kind, c, str(device), why, extra, reasons, [], [],

@@ -214,7 +214,8 @@ def main() -> None:
         ratio = best["batched"][n]["tps"] / best["in_turn"][n]["tps"]
         line = f"| {n} | " + " | ".join(row) + f" | {ratio:.2f}x |"
         if "llama_batched_bench_tg" in best:
-            line += f" {best['batched_tg'][n]['tps'] / best['llama_batched_bench_tg'][n]['tps']:.2f} |"
+            anchor = best["llama_batched_bench_tg"][n]["tps"]
+            line += f" {best['batched_tg'][n]['tps'] / anchor:.2f} |"
         if "api" in best:
             line += f" {best['api'][n]['tps'] / best['api_in_turn'][n]['tps']:.2f}x |"
         print(line)

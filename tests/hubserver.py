@@ -878,6 +878,72 @@ def add_two_model_gguf(hub: FakeHub) -> FakeRepo:
         "base_model:quantized:multiorg/Multi-7B-Instruct"]))
 
 
+# --- datacenter-size models (issue 16): original bf16 repos as the Hub lays them out ---
+
+QWEN72B = "Qwen/Qwen2.5-72B-Instruct"
+#: Its config.json (the shape that sizes the KV cache).
+QWEN72B_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 8192,
+    "intermediate_size": 29568, "num_hidden_layers": 80, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "vocab_size": 152064, "max_position_embeddings": 32768,
+    "max_window_layers": 70, "rope_theta": 1000000.0, "sliding_window": 131072,
+    "use_sliding_window": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-06, "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_act": "silu", "initializer_range": 0.02, "attention_dropout": 0.0,
+    "use_cache": True, "transformers_version": "4.43.1"}
+#: 72.7 B parameters in bf16: the index's ``total_size`` (from the shape above).
+QWEN72B_BYTES = 145_412_407_296
+QWEN72B_SHARDS = 37
+
+MIXTRAL = "mistralai/Mixtral-8x22B-Instruct-v0.1"
+#: A name whose parameter count misleads: "8x22B" is 141 B parameters, not 22 B.
+MIXTRAL_CONFIG = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 6144,
+    "intermediate_size": 16384, "num_hidden_layers": 56, "num_attention_heads": 48,
+    "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "vocab_size": 32768, "max_position_embeddings": 65536, "rope_theta": 1000000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-05}
+#: 140.6 B parameters in bf16 (the Hub shows 261.9 GiB in 59 shards).
+MIXTRAL_BYTES = 281_260_142_592
+
+
+def _sharded_safetensors(total: int, shards: int) -> Files:
+    """``model-0000i-of-0000N.safetensors`` with declared sizes summing to ``total`` (never
+    served: a plan must not download them) and the index that lists them."""
+    names = [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
+    each = total // shards
+    sizes = [each] * (shards - 1) + [total - each * (shards - 1)]
+    index = {"metadata": {"total_size": total},
+             "weight_map": {f"model.layers.{i}.input_layernorm.weight": name
+                            for i, name in enumerate(names)}}
+    files: Files = {n: FakeFile(None, size=size) for n, size in zip(names, sizes, strict=True)}
+    files["model.safetensors.index.json"] = _json_file(index)
+    return files
+
+
+def add_datacenter_models(hub: FakeHub) -> None:
+    """Qwen2.5-72B-Instruct and Mixtral-8x22B-Instruct-v0.1 as their original bf16 repos:
+    config, tokenizer, the safetensors index and the shards (declared sizes only)."""
+    qwen = _sharded_safetensors(QWEN72B_BYTES, QWEN72B_SHARDS)
+    qwen.update({
+        "config.json": _json_file(QWEN72B_CONFIG),
+        "generation_config.json": _json_file({"bos_token_id": 151643, "do_sample": True,
+                                              "eos_token_id": [151645, 151643]}),
+        "tokenizer.json": _json_file({"v": 1}), "tokenizer_config.json": _json_file({}),
+        "vocab.json": _json_file({}), "merges.txt": _text("#version: 0.2"),
+        "README.md": _text("# Qwen2.5-72B-Instruct"), "LICENSE": _text("Qwen LICENSE")})
+    hub.add(FakeRepo(QWEN72B, {"main": qwen}, tags=[
+        "transformers", "safetensors", "qwen2", "text-generation", "conversational"],
+        downloads=300000, config={"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))
+    mixtral = _sharded_safetensors(MIXTRAL_BYTES, 59)
+    mixtral.update({
+        "config.json": _json_file(MIXTRAL_CONFIG), "tokenizer.json": _json_file({"v": 1}),
+        "tokenizer_config.json": _json_file({}), "README.md": _text("# Mixtral-8x22B")})
+    hub.add(FakeRepo(MIXTRAL, {"main": mixtral}, tags=[
+        "transformers", "safetensors", "mixtral", "text-generation"], downloads=20000,
+        config={"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}))
+
+
 # --- pointing the real client at it ---
 
 

@@ -98,7 +98,7 @@ def test_batch_wide_mistakes_raise_at_once(llama_model: Any) -> None:
 def test_cancel_midway(llama_model: Any) -> None:
     cancel = CancelToken()
     results: dict[int, Any] = {}
-    for i, r in llama_model.batch_iter(PROMPTS, cancel=cancel, **GREEDY):
+    for i, r in llama_model.batch_iter(PROMPTS, cancel=cancel, max_concurrency=1, **GREEDY):
         results[i] = r
         cancel.cancel()  # after the first result: the rest do not start
     assert sorted(results) == list(range(len(PROMPTS)))
@@ -286,6 +286,26 @@ def test_batched_path_engine_failure_is_per_item(batching_model: Any) -> None:
     again = batching_model.batch(PROMPTS[:3], temperature=0, max_tokens=3, max_concurrency=3)
     assert [c.usage.completion_tokens for c in again] == [3, 3, 3]
     assert not engine._batcher.running  # the failed ones were dropped from the engine
+
+
+def test_batched_path_cancel_midway(batching_model: Any) -> None:
+    """Cancelling after the first result: the item in flight beside it ends cancelled
+    with what it had generated, those not started yet end cancelled with nothing."""
+    cancel = CancelToken()
+    results: dict[int, Any] = {}
+    for i, r in batching_model.batch_iter(PROMPTS, cancel=cancel, max_concurrency=2,
+                                          **GREEDY):
+        results[i] = r
+        cancel.cancel()
+    assert sorted(results) == list(range(len(PROMPTS)))
+    done = [r for r in results.values() if r.finish_reason != "cancelled"]
+    assert len(done) == 1 and done[0].usage.completion_tokens > 0
+    started = [r for r in results.values() if r.usage.prompt_tokens]
+    assert len(started) == 2  # the first to end, and the one beside it
+    assert all(r.usage.completion_tokens == 0 for r in results.values()
+               if not r.usage.prompt_tokens)
+    again = batching_model.batch(PROMPTS[:2], temperature=0, max_tokens=2, max_concurrency=2)
+    assert [c.usage.completion_tokens for c in again] == [2, 2]
 
 
 def test_batch_resolves_sampling_like_chat(batching_model: Any) -> None:

@@ -166,9 +166,13 @@ def test_cancel_one_mid_flight(session: Any, batcher: Any) -> None:
         if piece is not None:
             texts[key] += piece
     assert stats[1].completion_tokens == 4 and want[1].startswith(texts[1])
-    drain(batcher, texts, until={0, 2})
-    assert (texts[0], texts[2]) == (want[0], want[2])
-    assert batcher._slots[1].seq is None  # its slot is free for the next sequence
+    assert batcher._slots[1].seq is None  # its slot is free for the next sequence...
+    late = chat(session, QUESTIONS[3])
+    batcher.add(3, late, s, GenerationStats())
+    assert batcher._seqs[3].slot == 1  # ...which fills the gap: slots 0-2 stay consecutive
+    texts[3] = ""
+    drain(batcher, texts, until={0, 2, 3})
+    assert (texts[0], texts[2], texts[3]) == (want[0], want[2], alone(session, late, s)[0])
 
 
 def test_admit_while_others_decode(session: Any, batcher: Any) -> None:
@@ -321,3 +325,30 @@ def test_common_prefix() -> None:
     assert common_prefix(a, a[:300]) == 300
     assert common_prefix(a, [*a[:700], -1, *a[701:]]) == 700
     assert common_prefix(a, [-1]) == 0 and common_prefix([], a) == 0
+
+
+def test_model_calls_from_threads_run_together() -> None:
+    """Through localrun's driver: calls from several threads at once go through this
+    batcher, and each gets the reply it gets alone."""
+    import threading
+
+    import localrun
+    from localrun.backends.llama_cpp_batch import LlamaCppBatcher
+
+    with localrun.load(str(test_model("gguf-q8_0")), backend="llama.cpp",
+                       context=CONTEXT) as model:
+        want = [model.chat(q, temperature=0, max_tokens=16).text for q in QUESTIONS]
+        got: dict[int, str] = {}
+        start = threading.Barrier(len(QUESTIONS))
+
+        def ask(k: int) -> None:
+            start.wait()
+            got[k] = model.chat(QUESTIONS[k], temperature=0, max_tokens=16).text
+
+        threads = [threading.Thread(target=ask, args=(k,)) for k in range(len(QUESTIONS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [got[k] for k in range(len(QUESTIONS))] == want
+        assert isinstance(model._driver._batcher, LlamaCppBatcher)

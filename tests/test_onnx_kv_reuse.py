@@ -307,6 +307,29 @@ def test_the_sampler_draws_from_the_filtered_distribution() -> None:
     assert draw(5) == draw(5) != draw(6)
 
 
+def test_a_draw_over_many_blocks_keeps_the_distribution_and_the_mask() -> None:
+    """Over a whole vocabulary (a block at a time, logits_sampler.BLOCK): masked tokens
+    never come, and each kept token comes as often as softmax(score / T) says."""
+    np = pytest.importorskip("numpy")
+    from localrun.backends.logits_sampler import BLOCK, LogitsSampler
+
+    rng = np.random.default_rng(4)
+    scores = (rng.standard_normal(5 * BLOCK + 77) * 2).astype(np.float32)
+    scores[rng.random(scores.shape[0]) < 0.3] = -np.inf  # a structured-output mask
+    best = np.argsort(-scores)[:3]
+    scores[best] += 6.0  # a few likely tokens, as a model's logits have, in any block
+    p = np.exp(np.float64(scores - scores.max()) / 1.3)
+    p /= p.sum()
+    draws = 6000
+    sampler = LogitsSampler(sampling(temperature=1.3, seed=2), np.array([], dtype=np.int32))
+    got = np.array([sampler.choose(scores.copy()) for _ in range(draws)])
+    assert np.isfinite(scores[got]).all()
+    counts = np.bincount(got, minlength=scores.shape[0])
+    sigma = np.sqrt(draws * p[best] * (1 - p[best])) + 1
+    want = draws * p[best]
+    assert (np.abs(counts[best] - want) < 5 * sigma).all(), (counts[best], want)
+
+
 def test_the_penalty_covers_the_prompt_and_the_reply() -> None:
     np = pytest.importorskip("numpy")
     from localrun.backends.logits_sampler import LogitsSampler

@@ -44,11 +44,13 @@ Batching: none; the driver runs calls one at a time. One Generator with ``batch_
 options, and needs prompts padded with ``pad_token_id``, which the engine's attention
 mask hides wherever it occurs: SmolLM2's pad is its EOS ``<|im_end|>``, in every chat
 prompt (3 of 4 padded replies differed from the same prompts alone). 0.18's ``og.Engine``
-batches on CPU through its static path (4 greedy requests started together: 2.0-2.25x
-the tokens/s of this loop) but a request arriving while a batch runs waits until every
-row of it ends, and it shows no logits (no min_p, no llguidance mask, and a seed would
-sample other text than alone) and keeps no prefix across requests: a Batcher on it would
-help only requests that arrive together, greedy. Measured in docs/results/kv_reuse.md.
+batches on CPU through its static path: 4 greedy requests started together ran 1.3-2.2x
+the tokens/s of this loop with each session sized to prompt + max_tokens (0.8-1.9x at
+its default, the context); but a request arriving while a batch runs waits until every
+row of it ends, and it shows no logits (no min_p, no llguidance mask; a seed would give
+other text than alone) and keeps no prefix across requests: a Batcher on it would help
+only greedy requests that arrive together. scripts/bench_onnx_batching.py measures it
+(docs/results/kv_reuse.md).
 
 Other engine facts: EOS is ``Tokenizer.eos_token_ids`` plus genai_config /
 generation_config ids (the engine reports no finish reason); stop strings are the

@@ -241,12 +241,17 @@ class _Planner:
             stem = base.split("/")[-1].lower()
             repos += [rid for rid in self.cached if stem in rid.lower() and rid not in repos]
         listings = [lst for rid in repos[:MAX_DISCOVERED] for lst in self.repo_variants(rid)]
-        if not listings and self.offline_reason is None \
-                and compat.support("hf", self.backend) == "loads" and self.allow_unoptimized:
+        # The original's own safetensors: what an engine that wants them (vLLM) runs, or
+        # one that merely loads them (allowed). Offline, the cache step below has them.
+        runs_hf = fmt == "hf" or (compat.support("hf", self.backend) == "loads"
+                                  and self.allow_unoptimized)
+        if not listings and self.offline_reason is None and runs_hf:
             base_lst = self.listing(base, self.r.revision)
-            if base_lst is not None:
+            if base_lst is not None and repo_format(base_lst) == "hf":
                 listings.append(base_lst)
                 self.fmt = "hf"
+                self.reasons.append(f"{base} is the {compat.title('hf')} model "
+                                    f"{self.backend} runs as it is")
         if not listings:
             if self.offline_reason:
                 raise OfflineMissingError(
