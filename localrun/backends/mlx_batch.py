@@ -53,10 +53,10 @@ from localrun.types import FinishReason
 REPETITION_CONTEXT = 64
 
 #: Sequences in flight at once, by device. On Metal a step of many sequences costs little
-#: more than one (mlx-lm's own completion batch size is 32). mlx's CPU kernels gain little
-#: from a batch (4 sequences at once: 1.14x the output tokens/s of running them in turn,
-#: on a shared 2-core Xeon, docs/results/kv_reuse.md): there the batch mainly lets every
-#: reply progress at once, and a small one keeps each reply's pace tolerable.
+#: more than one (mlx-lm's own completion batch size is 32). mlx's CPU kernels gain
+#: nothing from a batch (8 sequences at once took the CPU time of running them in turn,
+#: docs/results/kv_reuse.md): there the batch only lets every reply progress at once, and
+#: a small one keeps each reply's pace tolerable.
 CAPACITY = {"metal": 32, "cpu": 8}
 #: New sequences prefilled together in one step (mlx-lm's default).
 PREFILL_BATCH = 8
