@@ -173,6 +173,13 @@ class Model:
         (catalog.json), else localrun's neutral ones. A call's own options override each."""
         return self._driver.resolve(Sampling())
 
+    @property
+    def max_concurrency(self) -> int:
+        """Sequences this model runs at once, together in its engine's batch (calls from
+        several threads, a :meth:`batch`); 1 when the engine runs one at a time. The
+        first ask builds the engine's batcher (OpenVINO's is a second pipeline)."""
+        return self._driver.capacity()
+
     def count_tokens(self, text: str) -> int:
         """Tokens of raw text for this model's tokenizer."""
         return self._driver.count_tokens(text)

@@ -45,9 +45,9 @@ def child(path: str, n: int, max_tokens: int, threads: int | None) -> dict[str, 
     import numpy as np
     import openvino
     import openvino_genai as og
+    from bench_batch import prompts
 
     import localrun
-    from bench_batch import prompts
     from tests.models import test_model
 
     items = prompts(n)

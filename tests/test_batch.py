@@ -386,7 +386,7 @@ def openvino_f32() -> Iterator[Any]:
 @requires_openvino
 def test_openvino_batched_matches_sequential_at_f32(openvino_f32: Any) -> None:
     """Greedy replies batched are the replies one at a time, token for token: each
-    prompt twice, in batches of 8 and of 16, against the single-sequence pipeline."""
+    prompt twice, in batches of 8 and of 16, against the prompts run one by one."""
     sequential = openvino_f32.batch(ROBUST, temperature=0, max_tokens=24, max_concurrency=1)
     for width in (8, 16):
         batched = openvino_f32.batch(ROBUST * 2, temperature=0, max_tokens=24,
@@ -405,19 +405,15 @@ ANSWERS = (("What is 2+2?", ("4", "four")), ("What is the opposite of hot?", ("c
 
 @requires_openvino
 def test_openvino_batched_at_default_precision(openvino_model: Any) -> None:
-    """At the CPU's default compute precision batching may change greedy replies (see
-    openvino_f32), so what holds is: they stay right, and the same batch gives the same
-    replies again. The batching pipeline keeps keys and values in the compute precision,
-    not the engine's u8 default, and the single-sequence one asks for SDPA with its f32
-    cache instead of compiling the model twice (paged attention refuses it on bf16)."""
-    from localrun.backends.openvino_batch import batch_properties
-
+    """At localrun's default precision (f32 on the CPU: in bf16 batching changed greedy
+    replies, see openvino_f32) replies stay right, and the same batch gives the same
+    replies again, the second time from the prefix cache. The pipeline keeps keys and
+    values in the compute precision, not the engine's u8 default."""
     session = openvino_model._session
     if session.device == "CPU":
-        assert session.load_properties["ATTENTION_BACKEND"] == "SDPA"
-        props = batch_properties(session.load_properties, "CPU")
-        assert "ATTENTION_BACKEND" not in props
-        assert props["KV_CACHE_PRECISION"] in ("f32", "bf16", "f16")
+        assert "ATTENTION_BACKEND" not in session.load_properties
+        props = session.load_properties
+        assert props["KV_CACHE_PRECISION"] == props["INFERENCE_PRECISION_HINT"] == "f32"
     questions = [q for q, _ in ANSWERS]
     first = openvino_model.batch(questions, temperature=0, max_tokens=32, max_concurrency=5)
     right = [q for (q, words), c in zip(ANSWERS, first, strict=True)
@@ -428,21 +424,22 @@ def test_openvino_batched_at_default_precision(openvino_model: Any) -> None:
 
 
 def test_openvino_batch_properties() -> None:
-    """What the batching pipeline gets from the session's load properties."""
-    from localrun.backends.openvino_batch import batch_properties
+    """The KV cache's element type on the CPU: paged attention (the batching pipeline)
+    takes the compute precision unless told otherwise; LLMPipeline (SDPA) f32."""
+    from localrun.backends.openvino_genai import cpu_kv_precision
 
-    session = {"KV_CACHE_PRECISION": "f32", "ATTENTION_BACKEND": "SDPA",
-               "INFERENCE_NUM_THREADS": 2}
-    assert batch_properties(session, "CPU", compute="bf16") == {
-        "KV_CACHE_PRECISION": "bf16", "INFERENCE_NUM_THREADS": 2}
-    assert batch_properties(session, "CPU", compute="f32") == {
-        "KV_CACHE_PRECISION": "f32", "INFERENCE_NUM_THREADS": 2}
-    assert batch_properties({"KV_CACHE_PRECISION": "f32", "INFERENCE_PRECISION_HINT": "F16"},
-                            "CPU")["KV_CACHE_PRECISION"] == "f16"
-    assert batch_properties({"KV_CACHE_PRECISION": "u8"}, "CPU", compute="bf16") == {
-        "KV_CACHE_PRECISION": "u8"}  # a cache the user chose, which paged attention takes
-    assert batch_properties({"KV_CACHE_PRECISION": "f32"}, "GPU", compute="f16") == {
-        "KV_CACHE_PRECISION": "f32"}
+    def kv(paged: bool = True, **props: str) -> str:
+        return cpu_kv_precision(props, paged)
+
+    assert kv(INFERENCE_PRECISION_HINT="bf16") == "bf16"
+    assert kv(INFERENCE_PRECISION_HINT="f32") == "f32"
+    assert kv(INFERENCE_PRECISION_HINT="F16") == "f16"
+    assert kv(KV_CACHE_PRECISION="u8", INFERENCE_PRECISION_HINT="bf16") == "u8"
+    assert kv(KV_CACHE_PRECISION="f32", INFERENCE_PRECISION_HINT="f32") == "f32"
+    assert kv(False) == "f32" and kv(False, KV_CACHE_PRECISION="u8") == "u8"
+    with pytest.raises(LocalrunError, match="f32 compute") as e:
+        kv(KV_CACHE_PRECISION="f32", INFERENCE_PRECISION_HINT="bf16")
+    assert "INFERENCE_PRECISION_HINT" in (e.value.hint or "")
 
 
 @requires_openvino

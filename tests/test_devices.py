@@ -367,8 +367,8 @@ def test_npu_gets_prompt_and_response_lengths_from_the_context(
         assert device == "NPU" and props["MAX_PROMPT_LEN"] + props["MIN_RESPONSE_LEN"] == 8192
         assert m.info.context_length == 8192
     # on other devices they are not set, and as options they are refused
-    with localrun.load(str(path), backend="openvino", device="CPU", context=512):
-        assert "MAX_PROMPT_LEN" not in ov_pipelines[-1][2]
+    with localrun.load(str(path), backend="openvino", device="CPU", context=512) as m:
+        assert "MAX_PROMPT_LEN" not in m._session.load_properties
     with pytest.raises(LocalrunError, match="NPU only"):
         localrun.load(str(path), backend="openvino", device="CPU", MAX_PROMPT_LEN=2048)
 

@@ -293,7 +293,8 @@ def test_openvino_streams_from_two_threads_batch(openvino_f32: Any) -> None:
     finally:
         del batcher.step
     assert [out[0] for _, out in threads] == alone
-    assert max(widths) == 2, widths
+    # 3: the held stream itself runs through the batcher when the session batches alone
+    assert max(widths) == 2 or (m._session.batch_alone and max(widths) == 3), widths
     assert m.chat("Hi", temperature=0, max_tokens=2).usage.completion_tokens >= 1
 
 

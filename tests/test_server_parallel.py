@@ -1,7 +1,6 @@
 """localrun serve --parallel: a model whose engine batches runs several requests at once,
-together in the engine's batch; with --parallel 1 (or an engine that does not batch)
-they run in turn. Timestamps are the client's: when each stream's first token and its
-last arrive. On 127.0.0.1, four requests of 16 tokens per server.
+together in the engine's batch; with --parallel 1 they run in turn. On 127.0.0.1, four
+streamed requests of 16 tokens per server.
 """
 
 from __future__ import annotations
@@ -10,8 +9,10 @@ import importlib.util
 import itertools
 import json
 import threading
-import time
+import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -19,10 +20,10 @@ import pytest
 from tests.conftest import HAVE_LLAMA
 from tests.serverutil import WAIT, Running, request, serve
 
-openai = pytest.importorskip("openai", reason="the openai client is not installed "
-                             "(pip install -e '.[dev]')")
+pytest.importorskip("fastapi", reason="the serve extra is not installed "
+                    "(pip install 'localrun[serve]')")
 
-from localrun.server.config import ServerConfig  # noqa: E402
+from localrun.server.config import ServerConfig
 
 pytestmark = pytest.mark.slow
 N = 4
@@ -52,26 +53,27 @@ def model(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 
 def _spans(s: Running, n: int) -> list[tuple[float, float, str]]:
-    """``n`` streaming completions started together: (first token, last token, text)."""
-    client = openai.OpenAI(base_url=s.v1, api_key="unused", max_retries=0, timeout=WAIT)
+    """``n`` streaming generations started together: when each one's first token and its
+    last were sent, by the server's clock (Ollama's ``created_at`` on every line: the
+    client's own clock would add its threads' delays on a busy machine), and its text."""
     barrier = threading.Barrier(n)
     spans: list[Any] = [None] * n
+    body = json.dumps({"model": "m", "prompt": COUNTING, "raw": True, "stream": True,
+                       "options": {"num_predict": TOKENS, "temperature": 0}}).encode()
 
     def one(i: int) -> None:
         barrier.wait(WAIT)
-        first = last = 0.0
-        text, finish = "", None
+        times, text, reason = [], "", None
         try:
-            for c in client.completions.create(model="m", prompt=COUNTING, stream=True,
-                                               max_tokens=TOKENS, temperature=0):
-                now = time.monotonic()
-                if c.choices and c.choices[0].text:
-                    first = first or now
-                    last = now
-                    text += c.choices[0].text
-                if c.choices and c.choices[0].finish_reason:
-                    finish = c.choices[0].finish_reason
-            spans[i] = (first, last, text) if finish == "length" else repr(finish)
+            req = urllib.request.Request(s.url + "/api/generate", data=body, method="POST")
+            with urllib.request.urlopen(req, timeout=WAIT) as r:
+                for line in r:
+                    part = json.loads(line)
+                    if part.get("response"):
+                        times.append(_seconds(part["created_at"]))
+                        text += part["response"]
+                    reason = part.get("done_reason", reason)
+            spans[i] = (times[0], times[-1], text) if reason == "length" else repr(reason)
         except Exception as e:  # asserted below, with what it was
             spans[i] = repr(e)
 
@@ -80,8 +82,12 @@ def _spans(s: Running, n: int) -> list[tuple[float, float, str]]:
         t.start()
     for t in threads:
         t.join(WAIT * 2)
-    assert all(isinstance(x, tuple) and x[0] for x in spans), spans
+    assert all(isinstance(x, tuple) for x in spans), spans
     return spans
+
+
+def _seconds(rfc3339: str) -> float:
+    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
 
 
 def _ps(s: Running) -> dict[str, Any]:
@@ -92,11 +98,14 @@ def _ps(s: Running) -> dict[str, Any]:
 
 
 def test_parallel_requests_run_together_in_the_engines_batch(model: Any) -> None:
+    if not model._session.batch_alone:
+        pytest.skip(f"{model.info.backend} runs a sequence that arrives alone through its "
+                    "single-sequence path to the end (Session.batch_alone is False): the "
+                    "requests that arrive meanwhile wait for it, then run together")
     assert model.max_concurrency >= N  # the engine batches at least N
     with serve(ServerConfig(parallel=N, max_queue=0), preload={"m": model}) as s:
         assert _ps(s)["parallel"] == N
         spans = _spans(s, N)  # max_queue 0: all N in at once, or some would get 429
-        together = _ps(s)["size"]
     firsts, lasts = [a for a, _, _ in spans], [b for _, b, _ in spans]
     # every request had its first token before any had its last: they ran together
     assert max(firsts) < min(lasts), spans
@@ -105,26 +114,46 @@ def test_parallel_requests_run_together_in_the_engines_batch(model: Any) -> None
     with serve(ServerConfig(parallel=1, max_queue=N), preload={"m": model}) as s:
         assert _ps(s)["parallel"] == 1
         spans = sorted(_spans(s, N))
-        alone = _ps(s)["size"]
     # one at a time: each one's first token came after the one before it had finished
     for (_, last, _), (first, _, _) in itertools.pairwise(spans):
         assert first > last, spans
-    # memory counts a KV cache per request that runs at once
-    from localrun.server.manager import _estimate_loaded
-
-    est = _estimate_loaded(model.info, None)
-    assert est is not None and est.kv_cache_bytes > 0
-    assert together - alone == (N - 1) * est.kv_cache_bytes
 
 
 def test_default_parallel_is_the_engines_capacity_at_most_4_on_the_cpu(model: Any) -> None:
+    from localrun.cli.serve import banner
     from localrun.server.manager import DEFAULT_PARALLEL_CPU
 
     with serve(ServerConfig(), preload={"m": model}) as s:
         ps = _ps(s)
+        text = banner(s.manager.config, list(s.manager.models.values()))
         status, _, body = request("GET", s.v1 + "/models")
     assert status == 200
     want = min(model.max_concurrency, DEFAULT_PARALLEL_CPU)
     assert model.info.device in (None, "cpu", "CPU") and ps["parallel"] == want
     assert ps["running"] == 0 and ps["waiting"] == 0
     assert json.loads(body)["data"][0]["parallel"] == want
+    assert f"context {model.info.context_length} · {want} requests at once" in text
+
+
+@pytest.mark.skipif(not HAVE_LLAMA, reason="llama-cpp-python is not installed "
+                    "(pip install 'localrun[llama-cpp]')")
+def test_memory_counts_a_kv_cache_per_request_at_once() -> None:
+    """A model loaded on request counts its weights, overhead and one KV cache per
+    request it runs at once; what --max-memory cannot hold runs fewer at once."""
+    from localrun.server.manager import _estimate_path
+    from tests.models import test_model
+
+    path = str(test_model("gguf-q4_1"))
+    one = _estimate_path(path, 512)
+    assert one is not None and one.kv_cache_bytes > 0
+    kv = one.kv_cache_bytes
+    base = ServerConfig(context=512, keep_alive=None, parallel=N)
+    sizes = {}
+    for max_memory in (None, one.total_bytes + kv + kv // 2):  # room for 2 at once, not 4
+        with serve(replace(base, max_memory=max_memory)) as s:
+            status, _, body = request("POST", s.url + "/api/generate", {"model": path})
+            assert status == 200, body  # Ollama's way to load a model
+            ps = _ps(s)
+        assert ps["size"] == one.total_bytes + (ps["parallel"] - 1) * kv
+        sizes[max_memory] = ps["parallel"]
+    assert sizes == {None: N, one.total_bytes + kv + kv // 2: 2}

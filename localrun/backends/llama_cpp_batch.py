@@ -169,6 +169,12 @@ class LlamaCppBatcher(Batcher):
                 f"llama.cpp could not make a batch context of {capacity} x {n_ctx_seq} tokens",
                 hint="load the model with a smaller context (context=...)")
         self._ctx: Any = ctx
+        # llama.cpp takes n_threads_batch for any decode of more than one token; a step's
+        # one token per sequence is decode work (memory-bound) and gets the session's
+        # n_threads, as a lone decode does; prompt chunks get n_threads_batch, as there
+        self._threads = {"decode": (int(params.n_threads), int(params.n_threads)),
+                         "prefill": (int(params.n_threads), int(params.n_threads_batch))}
+        self._mode = ""
         self._mem = lc.llama_get_memory(ctx)
         self._vocab = session._vocab
         self._n_vocab = int(llm.n_vocab())
@@ -250,7 +256,7 @@ class LlamaCppBatcher(Batcher):
         decoding = [q for q in live if q.n_gen and q.n_past == len(q.tokens) - 1]
         if decoding:  # one token each, in one decode (slot order: consecutive streams)
             t0 = time.perf_counter()
-            self._decode([(q, 1) for q in decoding], live)
+            self._decode([(q, 1) for q in decoding], live, "decode")
             for q in decoding:
                 drawn.append((q, sample(q.chain.sampler, ctx, q.out)))
             dt = time.perf_counter() - t0
@@ -264,7 +270,7 @@ class LlamaCppBatcher(Batcher):
             if rows and rows + k > self._n_batch:
                 break  # the rest next step: a step stays about n_batch tokens long
             t0 = time.perf_counter()
-            self._decode([(q, k)], live)  # a decode of its own: see _chunk
+            self._decode([(q, k)], live, "prefill")  # a decode of its own: see _chunk
             if q.out >= 0:
                 drawn.append((q, sample(q.chain.sampler, ctx, q.out)))
             q.stats.prefill_seconds += time.perf_counter() - t0
@@ -401,10 +407,13 @@ class LlamaCppBatcher(Batcher):
             k = left - TILE
         return k
 
-    def _decode(self, feed: list[tuple[_Seq, int]], live: list[_Seq]) -> None:
+    def _decode(self, feed: list[tuple[_Seq, int]], live: list[_Seq], mode: str) -> None:
         """One llama_decode of ``k`` next tokens of each sequence; the logits of a
         sequence's last token are kept (``seq.out``) when that is the last it has."""
         np = self._np
+        if mode != self._mode:
+            self._lc.llama_set_n_threads(self._ctx, *self._threads[mode])
+            self._mode = mode
         n = 0
         for seq, k in feed:
             start = seq.n_past

@@ -1,23 +1,34 @@
-"""Continuous batching for OpenVINO GenAI sessions: the session's :class:`Batcher`.
+"""OpenVINO GenAI's ContinuousBatchingPipeline as the session's :class:`Batcher`.
 
-``LLMPipeline`` runs one request at a time; ``ContinuousBatchingPipeline`` schedules
-many sequences through one model, adding and dropping them between steps. It is a
-second pipeline over the same folder, built the first time sequences overlap and kept
-with the session (for SmolLM2-135M int4 it costs ~100 MB more). The driver's engine
-thread drives it: ``add_request`` with the token ids localrun counted, ``step()``,
-then ``read()`` the new token ids of each handle, so each sequence streams, stops on
-its own (a stop string matched, its caller went away) and frees its slot for the next
-waiting one. A cancelled handle's KV blocks are freed by the next ``step()``; without
-that the pipeline reports leaked blocks when it is destroyed.
+On the CPU and GPUs every sequence runs through one ``ContinuousBatchingPipeline``
+(paged attention), alone or with others: the driver's engine thread ``add_request``\\ s
+the token ids localrun counted, calls ``step()``, then ``read()``\\ s the new token ids
+of each handle, so each sequence streams, stops on its own (a stop string matched, its
+caller went away) and frees its slot for the next waiting one. A cancelled handle's KV
+blocks are freed by the next ``step()``; without that the pipeline reports leaked
+blocks when it is destroyed.
 
-The session gives what the batcher needs explicitly (its EOS ids, a detokenizer, its
-GenerationConfig builder), so this module does not import the session's.
+**KV reuse across calls.** The scheduler's prefix caching keeps the KV blocks of
+finished sequences, indexed by the tokens they hold, and a new prompt starts from the
+longest run of whole blocks it shares with any of them: the next turn of a chat
+prefills only the new turn, and a system prompt an agent sends again and again (or
+several, alternating) is prefilled once. Blocks nobody uses are overwritten least
+recently used first, before the cache grows, so the cache stays as large as the most
+the sequences in flight needed at once.
+
+Text: a step yields one token for up to ``CAPACITY`` sequences; their text pieces come
+from ONE detokenizer call per window length (:class:`Detokenizer`), not one call per
+token, which was 3% of a 32-prompt batch's time.
+
+The session gives what the batcher needs explicitly (its pipeline, EOS ids, the
+tokenizer's batch decode, its GenerationConfig builder), so this module does not import
+the session's.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from localrun.backends.base import Batcher, GenerationStats, Prompt
@@ -33,43 +44,138 @@ MAX_BATCHED_TOKENS = 1024
 #: Sequences in flight at once: the pipeline's KV cache grows as they need it, and 32
 #: is the batch of ContinuousBatchingPipeline.generate() localrun is measured against.
 CAPACITY = 32
+#: Tokens per KV block: the engine's own choice per device (kv_cache_manager.hpp).
+KV_BLOCK_TOKENS = {"CPU": 32, "GPU": 16}
+#: Tokens decoded together before a sequence's detokenizer window restarts.
+DETOKENIZE_WINDOW = 8
+
+#: The tokenizer's batch decode: token lists in, one text per list out.
+DecodeMany = Callable[[list[list[int]]], list[str]]
+
+
+def kv_blocks(context: int, device: str) -> int:
+    """KV blocks for ``context`` tokens: the cache memory planning counts (one full
+    context). Sequences in flight share it (the scheduler admits what fits and
+    preempts when decoding outgrows it); what they leave holds earlier prompts'
+    prefixes until new tokens need the room, least recently used first. The engine's
+    own default instead grows the cache only as far as the sequences in flight need,
+    so the next prompt overwrote the last one's blocks and the KV of an alternated
+    system prompt was gone by its next turn."""
+    block = KV_BLOCK_TOKENS["GPU" if device.startswith("GPU") else "CPU"]
+    return -(-context // block) + 1
+
+
+def open_pipeline(path: str, device: str, properties: dict[str, Any], *, context: int,
+                  prefix_caching: bool = True) -> Any:
+    """A ContinuousBatchingPipeline over a model folder (or GGUF file)."""
+    import openvino_genai as og
+
+    scheduler = og.SchedulerConfig()
+    scheduler.max_num_batched_tokens = MAX_BATCHED_TOKENS
+    scheduler.dynamic_split_fuse = True
+    scheduler.enable_prefix_caching = prefix_caching
+    scheduler.num_kv_blocks = kv_blocks(context, device)
+    return og.ContinuousBatchingPipeline(path, scheduler, device, properties)
+
+
+class TextWindow:
+    """One sequence's detokenizer state: the recent tokens decoded together.
+
+    A token's text is what decoding the window adds to the window's previous text; a
+    byte-level token that ends mid-character adds nothing until the character is whole.
+    After DETOKENIZE_WINDOW tokens the window restarts from the last token (one token
+    of context keeps SentencePiece's leading spaces right) once a token has added text;
+    the text of that one-token window is decoded with the next token's window, in the
+    same call.
+    """
+
+    __slots__ = ("text", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.text: str | None = ""  # None: the window restarted; decode it again
+
+
+class Detokenizer:
+    """Text pieces for new tokens of many sequences, one decode call per window length.
+
+    Windows of the same length go to the tokenizer together; lengths are not mixed
+    because a batch decode pads the shorter lists with the pad token, which some
+    tokenizers do not skip."""
+
+    def __init__(self, decode_many: DecodeMany) -> None:
+        self._decode = decode_many
+
+    def pieces(self, new: Sequence[tuple[TextWindow, int]]) -> list[str]:
+        """The piece each (window, token) adds; one token per window per call."""
+        jobs: list[list[int]] = []
+        for window, token in new:
+            if window.text is None:
+                jobs.append(list(window.tokens))
+            window.tokens.append(token)
+            jobs.append(list(window.tokens))
+        texts = iter(self._decode_grouped(jobs))
+        out: list[str] = []
+        for window, _ in new:
+            if window.text is None:
+                window.text = next(texts)
+            full = next(texts)
+            if full.endswith("\ufffd"):  # a character still incomplete
+                out.append("")
+                continue
+            piece = full[len(window.text):]
+            out.append(piece)
+            window.text = full
+            # Restart only after a token that added text: OpenVINO's detokenizers drop
+            # the bytes of a character still incomplete (no "\ufffd" to see), and a
+            # restart then would lose them for good.
+            n = len(window.tokens)
+            if (piece and n >= DETOKENIZE_WINDOW) or n >= 4 * DETOKENIZE_WINDOW:
+                del window.tokens[:-1]
+                window.text = None
+        return out
+
+    def _decode_grouped(self, jobs: list[list[int]]) -> list[str]:
+        groups: dict[int, list[int]] = {}
+        for i, job in enumerate(jobs):
+            groups.setdefault(len(job), []).append(i)
+        out = [""] * len(jobs)
+        for idx in groups.values():
+            for i, text in zip(idx, self._decode([jobs[i] for i in idx]), strict=True):
+                out[i] = text
+        return out
 
 
 class _Sequence:
-    __slots__ = ("cancelled", "constraint", "detok", "handle", "reason", "stats")
+    __slots__ = ("cancelled", "constraint", "handle", "reason", "stats", "window")
 
-    def __init__(self, handle: Any, detok: Callable[[int], str], stats: GenerationStats,
+    def __init__(self, handle: Any, stats: GenerationStats,
                  constraint: Constraint | None) -> None:
         self.handle = handle
-        self.detok = detok
         self.stats = stats
         self.constraint = constraint
+        self.window = TextWindow()
         self.reason: FinishReason | None = None
         self.cancelled = False
 
 
 class ContinuousBatcher(Batcher):
-    """A ContinuousBatchingPipeline over the session's model folder."""
+    """The session's ContinuousBatchingPipeline, stepped by the driver's engine thread."""
 
     capacity = CAPACITY
 
-    def __init__(self, path: str, device: str, properties: dict[str, Any], *,
-                 eos: frozenset[int], detokenizer: Callable[[], Callable[[int], str]],
+    def __init__(self, pipe: Any, *, eos: frozenset[int], decode_many: DecodeMany,
                  config: Callable[[ResolvedSampling], Any]) -> None:
         import numpy as np
         import openvino
         import openvino_genai as og
 
         self._np, self._ov = np, openvino
-        scheduler = og.SchedulerConfig()
-        scheduler.max_num_batched_tokens = MAX_BATCHED_TOKENS
-        scheduler.dynamic_split_fuse = True
-        # cache_size 0 and num_kv_blocks 0: the KV cache grows as sequences need it.
-        self.pipe: Any = og.ContinuousBatchingPipeline(path, scheduler, device, properties)
+        self.pipe: Any = pipe
         self._running = og.GenerationStatus.RUNNING
         self._finish_stop = og.GenerationFinishReason.STOP
         self._eos = eos
-        self._detokenizer = detokenizer
+        self._detok = Detokenizer(decode_many)
         self._config = config
         self._active: dict[int, _Sequence] = {}
 
@@ -82,7 +188,7 @@ class ContinuousBatcher(Batcher):
             raise _mapped(e, sampling.constraint) from e
         stats.started = time.perf_counter()
         stats.prefill_tokens = len(prompt.tokens)
-        self._active[key] = _Sequence(handle, self._detokenizer(), stats, sampling.constraint)
+        self._active[key] = _Sequence(handle, stats, sampling.constraint)
 
     def cancel(self, key: int) -> None:
         seq = self._active.get(key)
@@ -97,27 +203,46 @@ class ContinuousBatcher(Batcher):
             constraint = next((s.constraint for s in self._active.values()
                                if s.constraint is not None), None)
             raise _mapped(e, constraint) from e
-        out: list[tuple[int, str | None]] = []
         eos, running, finish_stop = self._eos, self._running, self._finish_stop
-        for key, seq in list(self._active.items()):
+        new: list[tuple[int, _Sequence, list[int]]] = []
+        ended: list[int] = []
+        for key, seq in self._active.items():
             handle = seq.handle
             if not seq.cancelled:
-                stats = seq.stats
+                tokens: list[int] = []
                 while handle.can_read():
                     for res in handle.read().values():
                         for t in res.generated_ids:
                             if t in eos:
                                 seq.reason = "stop"
-                                continue
-                            stats.completion_tokens += 1
-                            out.append((key, seq.detok(int(t))))
+                            else:
+                                tokens.append(int(t))
                         if res.finish_reason == finish_stop:
                             seq.reason = "stop"
+                if tokens:
+                    new.append((key, seq, tokens))
                 if handle.get_status() == running:
                     continue
+            ended.append(key)
+        out = self._texts(new)
+        for key in ended:
+            seq = self._active.pop(key)
             seq.stats.finish_reason = seq.reason or "length"
-            del self._active[key]
             out.append((key, None))
+        return out
+
+    def _texts(self, new: list[tuple[int, _Sequence, list[int]]]
+               ) -> list[tuple[int, str | None]]:
+        """(key, piece) per token; a step gives a sequence one token, rarely more (then
+        its tokens go in rounds, so each one's piece is its own)."""
+        out: list[tuple[int, str | None]] = []
+        rounds = max((len(tokens) for _, _, tokens in new), default=0)
+        for r in range(rounds):
+            batch = [(key, seq, tokens[r]) for key, seq, tokens in new if len(tokens) > r]
+            pieces = self._detok.pieces([(seq.window, t) for _, seq, t in batch])
+            for (key, seq, _), piece in zip(batch, pieces, strict=True):
+                seq.stats.completion_tokens += 1
+                out.append((key, piece))
         return out
 
     def close(self) -> None:
@@ -140,30 +265,9 @@ def _mapped(error: RuntimeError, constraint: Constraint | None) -> Exception:
     return error
 
 
-def batch_properties(props: dict[str, Any], device: str,
-                     compute: str | None = None) -> dict[str, Any]:
-    """The session's load properties, as ContinuousBatchingPipeline takes them.
-
-    That pipeline is paged attention only, and the CPU plugin refuses ATTENTION_BACKEND
-    (it is LLMPipeline's). Paged attention on the CPU takes a KV cache of the compute
-    precision or a quantized one: the single-sequence pipeline's f32 cache only where
-    the CPU computes in f32 ("expect kvcache type bf16" on AVX-512 BF16/AMX). Elsewhere
-    the cache takes the compute precision (``compute``; by default the hint given, else
-    the plugin's), which keeps keys and values as computed, as the f32 cache does; the
-    engine's own default, u8, quantizes them, and greedy replies then left the
-    single-sequence ones as early as their first token.
-    """
-    out = dict(props)
-    out.pop("ATTENTION_BACKEND", None)
-    if device.startswith("CPU") and out.get("KV_CACHE_PRECISION") == "f32":
-        precision = compute or _cpu_precision(out.get("INFERENCE_PRECISION_HINT"))
-        if precision != "f32":
-            out["KV_CACHE_PRECISION"] = precision
-    return out
-
-
-def _cpu_precision(hint: Any) -> str:
-    """The CPU plugin's compute precision: the hint given, or its default on this CPU."""
+def cpu_precision(hint: Any) -> str:
+    """The CPU plugin's compute precision: the hint given, or its default on this CPU
+    (bf16 where the CPU has AVX-512 BF16 or AMX, else f32)."""
     if hint:
         return str(hint).lower()
     import openvino

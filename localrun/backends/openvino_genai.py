@@ -1,13 +1,19 @@
 """OpenVINO GenAI: OpenVINO IR folders (and, unoptimized, some GGUF files) on CPU/GPU/NPU.
 
-``LLMPipeline.generate`` blocks until the reply is done and reports tokens through a
-streamer callback, so a thread of its own runs each call and hands text pieces to the
-caller's generator through a :class:`~localrun.backends._worker.Relay`; the streamer
-answers ``CANCEL`` as soon as the caller cancels or closes the stream, so generation
-stops within one token, and the generator waits for that thread before it returns.
+Two pipelines, one per session:
+
+* CPU and GPUs: ``ContinuousBatchingPipeline`` (paged attention) runs every sequence,
+  alone or batched, as the session's :class:`~localrun.backends.base.Batcher`
+  (openvino_batch.py), with prefix caching: a prompt that starts like an earlier one
+  (the next turn of a chat, an agent's system prompt) prefills only what differs.
+* NPU, or ``ATTENTION_BACKEND="SDPA"``: ``LLMPipeline``, one sequence at a time, no KV
+  reuse across calls. ``generate`` blocks until the reply is done and reports tokens
+  through a streamer callback, so a thread of its own runs each call and hands text
+  pieces to the caller's generator through a :class:`~localrun.backends._worker.Relay`;
+  the streamer answers ``CANCEL`` as soon as the caller cancels or closes the stream.
+
 We always pass a token tensor, never text: the pipeline then neither re-tokenizes nor
-re-applies a template, ``prompt_tokens`` is exactly what we counted, and the results
-carry ``perf_metrics`` (``generate(str)`` would return a bare string without them).
+re-applies a template, and ``prompt_tokens`` is exactly what we counted.
 
 How localrun's sampling options map onto ``GenerationConfig``:
 
@@ -90,9 +96,6 @@ IR_WEIGHT_TYPES: tuple[tuple[str, str], ...] = (
     ("f16", "fp16"), ("bf16", "bf16"),
 )
 
-#: Tokens decoded together before the incremental detokenizer restarts its window.
-DETOKENIZE_WINDOW = 8
-
 _SIZE_MAX = 2**64 - 1  # GenerationConfig's "no limit" for top_k
 
 #: OpenVINO device names: CPU, GPU, GPU.N, NPU, and the AUTO/HETERO/MULTI meta devices.
@@ -153,56 +156,15 @@ def npu_lengths(context: int, options: dict[str, Any]) -> tuple[int, int]:
     return prompt, _down(context - prompt, NPU_ALIGN)
 
 
-class IncrementalDetokenizer:
-    """Text for each new token without decoding the whole reply every time.
-
-    Decodes a short window of recent tokens and emits what it adds to the window's
-    text; a byte-level token that ends mid-character emits nothing until the
-    character is complete. Keeping one token of context when the window restarts
-    keeps SentencePiece's leading spaces right.
-    """
-
-    def __init__(self, decode: Any) -> None:
-        self._decode = decode
-        self._tokens: list[int] = []
-        self._start = 0
-        self._text = ""
-
-    def add(self, token: int) -> str:
-        toks = self._tokens
-        toks.append(token)
-        full: str = self._decode(toks[self._start:])
-        if full.endswith("\ufffd"):
-            return ""
-        piece = full[len(self._text):]
-        self._text = full
-        if len(toks) - self._start >= DETOKENIZE_WINDOW:
-            self._start = len(toks) - 1
-            self._text = self._decode(toks[self._start:])
-        return piece
-
-
 class OpenVINOSession(Session):
-    #: A sequence alone runs through LLMPipeline (SDPA and the f32 KV cache on the CPU):
-    #: the batching pipeline is paged attention, whose greedy tokens at the CPU's bf16
-    #: compute are not always the single-sequence ones (tests/test_batch.py).
+    #: With the batching pipeline (CPU, GPU) a sequence alone runs through it too: its
+    #: prefix cache then serves every call, and one pipeline is loaded, not two.
     batch_alone = False
     _batcher: Batcher | None = None
 
     def batcher(self) -> Batcher | None:
-        """Many sequences at once through ContinuousBatchingPipeline (openvino_batch.py),
-        built the first time sequences overlap; none on the NPU (batches run in turn)."""
-        if self.device == "NPU" or self._pipe is None:
-            return None
-        if self._batcher is None:
-            from localrun.backends.openvino_batch import ContinuousBatcher, batch_properties
-
-            tok = self._tok
-            self._batcher = ContinuousBatcher(
-                self.info.path, self.device,
-                batch_properties(self.load_properties, self.device), eos=self._eos,
-                detokenizer=lambda: IncrementalDetokenizer(tok.decode).add,
-                config=self._config)
+        """The ContinuousBatchingPipeline every sequence runs through (openvino_batch.py);
+        None with LLMPipeline (NPU, ATTENTION_BACKEND="SDPA"): calls run in turn."""
         return self._batcher
 
     def __init__(self, request: LoadRequest) -> None:
@@ -248,30 +210,42 @@ class OpenVINOSession(Session):
             self.max_prompt, response = npu_lengths(context, options)
             props.update(MAX_PROMPT_LEN=self.max_prompt, MIN_RESPONSE_LEN=response)
             context = self.max_prompt + response
-        if device.startswith("CPU"):
-            # The CPU plugin's default u8 KV cache quantizes with scales that depend on
-            # memory left over from earlier requests: the same seed then gave a different
-            # sample on a Model's first request than on later ones (seen with 2026.4).
-            # An f32 cache is reproducible and decoded as fast here; pass
-            # KV_CACHE_PRECISION="u8" as an engine option to trade that for memory.
-            props["KV_CACHE_PRECISION"] = "f32"
+        prefix_caching = bool(options.pop("PREFIX_CACHING", True))
+        paged = device.startswith(("CPU", "GPU")) and options.get("ATTENTION_BACKEND") != "SDPA"
         if request.threads:
             props["INFERENCE_NUM_THREADS"] = request.threads
         props.update(options)
-        if device.startswith("CPU") and props.get("KV_CACHE_PRECISION") == "f32":
-            # LLMPipeline tries paged attention first, which refuses an f32 cache where the
-            # CPU computes in bf16 (AVX-512 BF16, AMX): it then compiled the model a second
-            # time for SDPA, doubling the load. Ask for SDPA at once; at f32 compute, where
-            # paged attention would take the f32 cache, both give the same tokens.
-            props.setdefault("ATTENTION_BACKEND", "SDPA")
-        self.load_properties = dict(props)  # the batching pipeline gets the same settings
+        if device.startswith("CPU"):
+            # f32 unless told otherwise. Where the plugin computes in bf16 (AVX-512 BF16,
+            # AMX) a prompt's reply depended on where its keys and values came from:
+            # the same seed sampled differently on a prompt's first call than on later
+            # ones (its prefix then from the cache), and greedy replies changed with
+            # reuse and with batching. In f32 they are the same token for token; on an
+            # AVX-512 BF16 CPU it costs prefill 0.6x and batch throughput 0.8x, decoding
+            # one sequence not at all (docs/results/kv_reuse.md).
+            props.setdefault("INFERENCE_PRECISION_HINT", "f32")
+            props["KV_CACHE_PRECISION"] = cpu_kv_precision(props, paged)
+        self.load_properties = dict(props)
+        self._pipe: Any
         try:
-            self._pipe = ov_genai.LLMPipeline(str(path), device, **props)
+            if paged:
+                from localrun.backends.openvino_batch import open_pipeline
+
+                # the CPU plugin refuses ATTENTION_BACKEND: it is LLMPipeline's
+                self._pipe = open_pipeline(str(path), device, {
+                    k: v for k, v in props.items() if k != "ATTENTION_BACKEND"},
+                    context=context, prefix_caching=prefix_caching)
+                engine_cfg = self._pipe.get_config()
+            else:
+                self._pipe = ov_genai.LLMPipeline(str(path), device, **props)
+                engine_cfg = self._pipe.get_generation_config()
             self._tok = self._pipe.get_tokenizer()
-            engine_cfg = self._pipe.get_generation_config()
         except RuntimeError as e:
             raise ModelFileError(str(path), f"OpenVINO GenAI could not load it "
-                                 f"({_first_line(e)})") from e
+                                 f"({_first_line(e)})", hint=(
+                                     "load with the engine option ATTENTION_BACKEND='SDPA' "
+                                     "(one sequence at a time, no KV reuse), or re-download "
+                                     "the model" if paged else None)) from e
         eos = eos_ids(gen_config, config) | set(engine_cfg.stop_token_ids)
         tok_eos = self._tok.get_eos_token_id()
         if 0 <= tok_eos < _SIZE_MAX:
@@ -279,6 +253,12 @@ class OpenVINOSession(Session):
         if 0 <= engine_cfg.eos_token_id < _SIZE_MAX:
             eos.add(engine_cfg.eos_token_id)
         self._eos = frozenset(eos)
+        if paged:
+            from localrun.backends import openvino_batch
+
+            self._batcher = openvino_batch.ContinuousBatcher(
+                self._pipe, eos=self._eos, decode_many=self._tok.decode, config=self._config)
+            self.batch_alone = True
         self.chat_template = getattr(self._tok, "chat_template", None) or None
         self.bos_token, self.eos_token = self._tok.get_bos_token(), self._tok.get_eos_token()
         self.info = ModelInfo(
@@ -353,6 +333,36 @@ class OpenVINOSession(Session):
         cancel: CancelToken,
         stats: GenerationStats,
     ) -> Iterator[str]:
+        if self._batcher is not None:
+            return self._generate_batched(self._batcher, prompt, sampling, cancel, stats)
+        return self._generate_llm(prompt, sampling, cancel, stats)
+
+    @staticmethod
+    def _generate_batched(batcher: Batcher, prompt: Prompt, sampling: ResolvedSampling,
+                          cancel: CancelToken, stats: GenerationStats) -> Iterator[str]:
+        """One sequence through the batcher, on the caller's thread (the driver sends
+        sequences to its engine thread instead; this serves direct callers)."""
+        key = 0  # the driver numbers its sequences from 1
+        batcher.add(key, prompt, sampling, stats)
+        ended = False
+        try:
+            while not ended:
+                if cancel.cancelled:
+                    batcher.cancel(key)
+                for k, piece in batcher.step():
+                    if k != key:
+                        continue
+                    if piece is None:
+                        ended = True
+                    else:
+                        yield piece
+        finally:
+            while not ended:  # closed early: free its KV blocks before returning
+                batcher.cancel(key)
+                ended = any(k == key and p is None for k, p in batcher.step())
+
+    def _generate_llm(self, prompt: Prompt, sampling: ResolvedSampling, cancel: CancelToken,
+                      stats: GenerationStats) -> Iterator[str]:
         if self.max_prompt is not None and len(prompt.tokens) > self.max_prompt:
             # The NPU's prefill has a static shape: the engine would raise mid-call.
             raise ContextOverflowError(len(prompt.tokens), self.max_prompt,
@@ -368,7 +378,9 @@ class OpenVINOSession(Session):
         # Detokenize on the engine's thread, between tokens: the CPU plugin's results
         # depend on what else runs in the process, so decoding concurrently with
         # inference made seeded samples differ from run to run.
-        detok = IncrementalDetokenizer(self._tok.decode)
+        from localrun.backends.openvino_batch import Detokenizer, TextWindow
+
+        detok, window = Detokenizer(self._tok.decode), TextWindow()
         running, stop, cancelled = (og.StreamingStatus.RUNNING, og.StreamingStatus.STOP,
                                     og.StreamingStatus.CANCEL)
 
@@ -380,7 +392,7 @@ class OpenVINOSession(Session):
                     if t in eos:
                         self.ended = "stop"
                         return stop
-                    relay.put(detok.add(t))
+                    relay.put(detok.pieces([(window, t)])[0])
                 if relay.halted or cancel.cancelled:
                     return cancelled
                 return running
@@ -416,6 +428,35 @@ class OpenVINOSession(Session):
             self._batcher = None
         self._pipe = None
         self._tok = None
+
+
+def cpu_kv_precision(props: dict[str, Any], paged: bool) -> str:
+    """The KV cache's element type on the CPU.
+
+    Not the plugin's default, u8: it quantizes with scales that depend on memory left
+    over from earlier requests, so the same seed gave a different sample on a Model's
+    first request than on later ones (2026.4), and greedy replies changed from the first
+    token. LLMPipeline (SDPA) keeps f32. Paged attention takes only the compute
+    precision or a quantized type ("expect kvcache type bf16" where the CPU computes in
+    bf16: AVX-512 BF16, AMX), so it gets the compute precision, which keeps keys and
+    values as computed.
+    """
+    from localrun.backends.openvino_batch import cpu_precision
+
+    given = props.get("KV_CACHE_PRECISION")
+    if not paged:
+        return str(given or "f32")
+    compute = cpu_precision(props.get("INFERENCE_PRECISION_HINT"))
+    if given is None:
+        return compute
+    if str(given).lower() == "f32" and compute != "f32":
+        raise LocalrunError(
+            f"KV_CACHE_PRECISION='f32' needs f32 compute, not {compute}: paged attention "
+            f"keeps its cache in the compute precision or quantized",
+            hint=f"leave INFERENCE_PRECISION_HINT out (localrun computes in f32), use "
+                 f"KV_CACHE_PRECISION='{compute}', or load with ATTENTION_BACKEND='SDPA' "
+                 f"(one sequence at a time, no KV reuse)")
+    return str(given)
 
 
 def _fill_stats(stats: GenerationStats, pm: Any) -> None:

@@ -168,7 +168,7 @@ BACKENDS: dict[str, BackendSpec] = {s.name: s for s in (
         min_compute=None,  # Intel CPUs, GPUs and NPUs
         options={
             "KV_CACHE_PRECISION": ("text", "KV cache element type, e.g. u8, f16, f32 (CPU "
-                                           "default here: f32)"),
+                                           "default: the compute precision)"),
             "INFERENCE_PRECISION_HINT": ("text", "compute precision, e.g. f32, bf16, f16"),
             "PERFORMANCE_HINT": (("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT"),
                                  "what the plugin optimizes for"),
@@ -176,7 +176,10 @@ BACKENDS: dict[str, BackendSpec] = {s.name: s for s in (
             "CACHE_DIR": ("text", "folder for compiled-model blobs (faster second load)"),
             "DYNAMIC_QUANTIZATION_GROUP_SIZE": ("int", "activation quantization group "
                                                        "(0 = off)"),
-            "ATTENTION_BACKEND": (("PA", "SDPA"), "paged or SDPA attention"),
+            "ATTENTION_BACKEND": (("PA", "SDPA"), "paged attention (default: batching, KV "
+                                                  "reuse) or SDPA (one sequence at a time)"),
+            "PREFIX_CACHING": ("bool", "reuse the KV cache of earlier prompts' shared "
+                                       "prefixes (default true)"),
             "MAX_PROMPT_LEN": ("int", "NPU: longest prompt (default: the context minus "
                                       "MIN_RESPONSE_LEN)"),
             "MIN_RESPONSE_LEN": ("int", "NPU: tokens kept for the reply (default: a quarter "

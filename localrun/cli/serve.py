@@ -145,11 +145,11 @@ def banner(config: Any, loaded: list[Any]) -> str:
                  f"(any name localrun accepts); idle ones unload after {keep}")
     lines.append(f"  OpenAI API {url}/v1 · Ollama API {url}/api · {url}/health · "
                  f"{url}/metrics")
-    parallel = (f"up to {config.parallel}" if config.parallel is not None else
-                f"up to {DEFAULT_PARALLEL_CPU} on the CPU, the engine's capacity on a GPU")
-    lines.append("  a model runs one request at a time" if config.parallel == 1 else
-                 f"  a model whose engine batches runs {parallel} requests at once, others "
-                 "one at a time")
+    parallel = (f"up to {config.parallel} requests at once" if config.parallel is not None
+                else f"up to {DEFAULT_PARALLEL_CPU} requests at once on the CPU (its engine's "
+                "capacity on a GPU)")
+    lines.append("  a model runs one request at a time (--parallel 1)" if config.parallel == 1
+                 else f"  a model whose engine batches runs {parallel}, others one at a time")
     lines.append(f"  up to {config.max_queue} more requests wait per model, then 429")
     auth = "Bearer key required" if config.api_key else "off"
     cors = ", ".join(config.cors_origins) if config.cors_origins else "off"

@@ -215,6 +215,12 @@ class Driver:
             for gen in live:
                 gen.halted = True
 
+    def capacity(self) -> int:
+        """Sequences that run at once: the batcher's capacity (asking the session for it
+        the first time), 1 when the session runs one at a time."""
+        batcher = self._batcher if self._batching() else None
+        return batcher.capacity if batcher is not None else 1
+
     def count_tokens(self, text: str) -> int:
         with self.exclusive() as session:
             return session.count_tokens(text)

@@ -260,15 +260,16 @@ class ModelManager:
                   slots: int | None = None, estimate: MemoryEstimate | None = None
                   ) -> Loaded:
         """Make a loaded ``handle`` servable. ``size``: its estimate for one sequence
-        (None: from its files); ``slots`` None: decided here (``--parallel``, no room
-        check: the models named on the command line, before serving)."""
+        (None: from its files); ``slots`` None: decided here, as many as ``--parallel``
+        asks and memory holds beside the models loaded (none unload: this is for the
+        models named on the command line, before serving)."""
         info: ModelInfo = handle.info
         est = estimate or _estimate_loaded(info, context)
         if size is None:
             size = est.total_bytes if est is not None else 0
-        if slots is None:
-            slots = self._slots(name, kind, handle)
         kv = est.kv_cache_bytes if est is not None else 0
+        if slots is None:
+            slots = self._most_slots(name, size, kv, self._slots(name, kind, handle), 0)
         m = Loaded(name=name, kind=kind, context=context, handle=handle, info=info,
                    size=size + (slots - 1) * kv, pinned=pinned,
                    keep_alive=self.config.keep_alive, load_seconds=seconds, slots=slots)
@@ -305,18 +306,21 @@ class ModelManager:
         memory still cannot hold runs fewer at once."""
         kv = est.kv_cache_bytes if est is not None else 0
         base = need if need is not None else (est.total_bytes if est is not None else 0)
-        if slots == 1 or kv == 0:
-            return slots
         freed = 0
-        while not self._fits(base + (slots - 1) * kv, freed, loaded=base):
+        while slots > 1 and kv and not self._fits(base + (slots - 1) * kv, freed, loaded=base):
             victim = self._lru_idle()
             if victim is None:
                 break
             freed += victim.size
             await self._unload(victim, f"least recently used; {name} runs {slots} requests "
                                "at once, each with its KV cache")
+        return self._most_slots(name, base, kv, slots, freed)
+
+    def _most_slots(self, name: str, base: int, kv: int, slots: int, freed: int) -> int:
+        """The most of ``slots`` whose KV caches (``kv`` bytes each) fit beside the model
+        (``base`` bytes, loaded) and the others."""
         fit = slots
-        while fit > 1 and not self._fits(base + (fit - 1) * kv, freed, loaded=base):
+        while fit > 1 and kv and not self._fits(base + (fit - 1) * kv, freed, loaded=base):
             fit -= 1
         if fit < slots:
             log.warning("%s runs %d requests at once, not %d: memory holds no more KV "
