@@ -1,34 +1,39 @@
 """llama.cpp sequences decoded together (localrun's Batcher) vs in turn, and against
 llama.cpp's own ``llama-batched-bench`` at the same batch sizes (issue 15).
 
-    .venv/bin/python scripts/bench_llama_batch.py
-    .venv/bin/python scripts/bench_llama_batch.py --batched-bench PATH/llama-batched-bench \\
-        --levels 1 2 4 8 --repeats 3 --json docs/results/llama_batch.json
+    .venv/bin/python scripts/bench_llama_batch.py --batched-bench PATH/llama-batched-bench
+    .venv/bin/python scripts/bench_llama_batch.py --threads 2 --levels 1 4 --repeats 5
 
 For each batch size N: N sequences of ``--prompt`` tokens each (a story's opening, so
 that greedy decoding runs on rather than stopping), ``--tokens`` generated each, greedy.
 
 - **in turn**: the N sequences one after another through ``Session.generate`` (the
-  single path, llama-cpp-python's ``Llama.generate``); output tokens / wall time.
-- **batched**: the N added to the session's Batcher together and stepped until all end.
-  ``all``: output tokens / wall time, prefill included; ``tg``: the steps in which every
-  sequence was generating (one token each), which is what llama-batched-bench's S_TG
-  measures (its TG steps feed random tokens and sample nothing).
+  single path, llama-cpp-python's ``Llama.generate``), prompts included.
+- **batched**: the N added to the session's Batcher together and stepped until all end,
+  prompts included; **batched TG**: only the decode steps of the second half of the
+  reply (every sequence generating, one token each per step).
+- **llama-batched-bench** ``-npp P -ntg T -npl N``, run with ``-ntg T`` and ``-ntg T/2``:
+  the difference is the cost of the last T/2 decode steps, the window of batched TG.
+  Same threads, batch and ubatch sizes, flash attention; ``-c`` = 8 x the context, so
+  one KV stream of the session's context per sequence (non-unified), as the Batcher has.
 - **api**: ``Model.batch(prompts, max_concurrency=N)`` through localrun's driver (chat
-  prompts of about the same length, greedy), against ``max_concurrency=1``.
-- **llama-batched-bench** ``-npp P -ntg T -npl N`` with the session's threads, batch and
-  ubatch sizes and flash attention, ``-c`` = 8 x the context: one KV stream of the
-  session's context per sequence (non-unified), as the Batcher has.
+  prompts of about the same length, each call's new), against ``max_concurrency=1``.
 
-Every figure is the best of ``--repeats`` rounds, the modes interleaved within a round:
-the machine this was written on is shared, and the best run is the one least disturbed.
-Not a test: numbers depend on the machine and what else runs on it.
+Every mode runs on the same ``--threads`` for prompts and decoding (``-t``/``-tb``).
+Figures are output tokens per second of **CPU time** (the process's, the engine
+thread's included; llama-batched-bench's from its rusage), the median of ``--repeats``
+rounds, modes interleaved: on a shared machine the wall clock mostly measures the
+neighbours, while one thread's CPU time is what the work costs on a core of its own.
+The JSON (``--json``) also holds each run's wall-clock figures.
+Not a test: numbers depend on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -43,6 +48,8 @@ TOPICS = ["a lighthouse keeper", "a lost dog", "a clockmaker", "two sisters", "a
 STORY = ("Chapter one. This is the story of {}. It begins on a cold morning in late "
          "autumn, when the wind came down from the hills and the whole valley smelled of "
          "rain and wood smoke. Nobody in the village expected anything to happen that day. ")
+
+Run = dict[str, float]
 
 
 def greedy(tokens: int) -> Any:
@@ -66,79 +73,95 @@ def story_prompts(session: Any, n: int, length: int) -> list[Any]:
     return out
 
 
-def in_turn(session: Any, prompts: list[Any], tokens: int) -> dict[str, float]:
+def pin_threads(session: Any, threads: int) -> None:
+    """The session's context, and its batcher's, on ``threads`` for prompts too
+    (llama-cpp-python's default for prompts is every CPU)."""
+    session._lc.llama_set_n_threads(session._ctx_ptr, threads, threads)
+    batcher = session.batcher()
+    if batcher is not None:
+        batcher._threads = dict.fromkeys(("decode", "prefill"), (threads, threads))
+        batcher._mode = ""
+
+
+def in_turn(session: Any, prompts: list[Any], tokens: int) -> Run:
     from localrun.backends.base import GenerationStats
     from localrun.types import CancelToken
 
     made = 0
-    t0 = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     for p in prompts:
         session._llm.reset()  # no prefix reuse between the stories
         stats = GenerationStats()
         for _ in session.generate(p, greedy(tokens), CancelToken(), stats):
             pass
         made += stats.completion_tokens
-    wall = time.perf_counter() - t0
-    return {"tokens": made, "seconds": wall, "tps": made / wall}
+    return {"tokens": made, "wall": time.perf_counter() - wall,
+            "cpu": time.process_time() - cpu}
 
 
-def batched(batcher: Any, prompts: list[Any], tokens: int) -> dict[str, float]:
+def batched(batcher: Any, prompts: list[Any], tokens: int) -> tuple[Run, Run]:
+    """The whole run, and its second half's decode steps (the TG window)."""
     from localrun.backends.base import GenerationStats
 
     for slot in batcher._slots:  # no prefix reuse from the previous round
         slot.cells = []
     stats = [GenerationStats() for _ in prompts]
-    t0 = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     for k, p in enumerate(prompts):
         batcher.add(k, p, greedy(tokens), stats[k])
     live = set(range(len(prompts)))
-    tg_seconds, tg_tokens = 0.0, 0
+    tg = {"tokens": 0.0, "wall": 0.0, "cpu": 0.0}
     while live:
-        generating = all(stats[k].completion_tokens > 0 for k in live)
-        ts = time.perf_counter()
+        window = all(stats[k].completion_tokens >= tokens // 2 for k in live)
+        w, c = time.perf_counter(), time.process_time()
         events = batcher.step()
-        dt = time.perf_counter() - ts
-        if generating:
-            tg_seconds += dt
-            tg_tokens += sum(1 for _, piece in events if piece is not None)
+        if window:
+            tg["wall"] += time.perf_counter() - w
+            tg["cpu"] += time.process_time() - c
+            tg["tokens"] += sum(1 for _, piece in events if piece is not None)
         live -= {k for k, piece in events if piece is None}
-    wall = time.perf_counter() - t0
-    made = sum(s.completion_tokens for s in stats)
-    return {"tokens": made, "seconds": wall, "tps": made / wall,
-            "tg_tps": tg_tokens / tg_seconds if tg_seconds else 0.0}
+    whole = {"tokens": float(sum(s.completion_tokens for s in stats)),
+             "wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
+    return whole, tg
 
 
-def api(model: Any, n: int, concurrency: int, tokens: int) -> dict[str, float]:
-    items = [f"Write a long story about {TOPICS[i % len(TOPICS)]}. " + STORY.format(
-        TOPICS[i % len(TOPICS)]) for i in range(n)]
-    t0 = time.perf_counter()
+_calls = iter(range(1, 1 << 30))
+
+
+def api(model: Any, n: int, concurrency: int, tokens: int) -> Run:
+    call = next(_calls)  # a new opening each call: no prompt reused from an earlier call
+    items = [f"Story {call}.{i}: write a long story about {TOPICS[i % len(TOPICS)]}. "
+             + STORY.format(TOPICS[i % len(TOPICS)]) for i in range(n)]
+    wall, cpu = time.perf_counter(), time.process_time()
     out = model.batch(items, max_concurrency=concurrency, temperature=0.0,
                       max_tokens=tokens)
-    wall = time.perf_counter() - t0
-    made = sum(c.usage.completion_tokens for c in out)
-    return {"tokens": made, "seconds": wall, "tps": made / wall}
+    return {"tokens": sum(c.usage.completion_tokens for c in out),
+            "wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
 
 
-def batched_bench(exe: str, path: str, args: argparse.Namespace, ctx: int, threads: int,
-                  n_batch: int, n_ubatch: int, flash: str) -> tuple[list[str], dict[int, Any]]:
-    cmd = [exe, "-m", path, "-c", str(8 * ctx), "-b", str(n_batch), "-ub", str(n_ubatch),
-           "-npp", str(args.prompt), "-ntg", str(args.tokens),
-           "-npl", ",".join(map(str, args.levels)), "-t", str(threads), "-fa", flash,
-           "--output-format", "jsonl"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+def batched_bench(cmd: list[str], n: int, tokens: int) -> tuple[dict[str, Any], float]:
+    """One llama-batched-bench run at N sequences: its JSON row, and its CPU seconds."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run([*cmd, "-npl", str(n), "-ntg", str(tokens)], capture_output=True,
+                          text=True, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return cmd, {int(r["pl"]): r for r in rows}
+    return rows[0], cpu
+
+
+def tps(runs: list[Run], clock: str = "cpu") -> float:
+    return statistics.median(r["tokens"] / r[clock] for r in runs if r[clock] > 0)
 
 
 def main() -> None:
-    from localrun.backends.llama_cpp import default_threads
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="a GGUF (default: the SmolLM2 Q8_0 test fixture)")
     ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=default_threads())
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads for prompts and decoding, in every mode (default 1)")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence")
-    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per sequence")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per sequence")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batched-bench", help="llama.cpp's llama-batched-bench executable")
@@ -158,74 +181,78 @@ def main() -> None:
         path = (read_manifest() or {}).get("models", {}).get("gguf-q8_0")
         if not path:
             raise SystemExit("no Q8_0 fixture: run python scripts/make_test_models.py")
-    request = LoadRequest(path=path, format="gguf", context=args.context,
-                          threads=args.threads)
-    session = LlamaCppSession(request)
+    t = args.threads
+    session = LlamaCppSession(LoadRequest(path=path, format="gguf", context=args.context,
+                                          threads=t))
     params = session._llm.context_params
-    n_batch, n_ubatch = int(params.n_batch), int(params.n_ubatch)
     flash = {-1: "auto", 0: "off", 1: "on"}.get(int(params.flash_attn_type), "auto")
     batcher = LlamaCppBatcher(session, max(args.levels), args.context)
-    model = None if args.no_api else localrun.load(path, backend="llama.cpp",
-                                                   context=args.context,
-                                                   threads=args.threads)
-    best: dict[str, dict[int, dict[str, float]]] = {}
+    session._batcher = batcher
+    pin_threads(session, t)
+    model = None
+    if not args.no_api:
+        model = localrun.load(path, backend="llama.cpp", context=args.context, threads=t)
+        pin_threads(model._session, t)
+    lbb = [] if not args.batched_bench else [
+        args.batched_bench, "-m", path, "-c", str(8 * args.context),
+        "-b", str(int(params.n_batch)), "-ub", str(int(params.n_ubatch)),
+        "-npp", str(args.prompt), "-t", str(t), "-tb", str(t), "-fa", flash,
+        "--output-format", "jsonl"]
+    runs: dict[str, dict[int, list[Run]]] = {}
 
-    def keep(mode: str, level: int, result: dict[str, float]) -> None:
-        old = best.setdefault(mode, {}).get(level)
-        if old is None or result["tps"] > old["tps"]:
-            best[mode][level] = result
+    def keep(mode: str, n: int, run: Run) -> None:
+        runs.setdefault(mode, {}).setdefault(n, []).append(run)
 
-    command: list[str] = []
     for r in range(args.repeats):
         for n in args.levels:
             prompts = story_prompts(session, n, args.prompt)
             keep("in_turn", n, in_turn(session, prompts, args.tokens))
-            b = batched(batcher, prompts, args.tokens)
-            keep("batched", n, b)
-            tg = dict(b, tps=b["tg_tps"])
+            whole, tg = batched(batcher, prompts, args.tokens)
+            keep("batched", n, whole)
             keep("batched_tg", n, tg)
+            if lbb:
+                half = args.tokens // 2
+                row, cpu = batched_bench(lbb, n, args.tokens)
+                row_half, cpu_half = batched_bench(lbb, n, half)
+                keep("lbb_tg", n, {"tokens": n * (args.tokens - half),
+                                   "cpu": cpu - cpu_half,
+                                   "wall": row["t_tg"] - row_half["t_tg"]})
             if model is not None:
                 keep("api_in_turn", n, api(model, n, 1, args.tokens))
                 keep("api", n, api(model, n, n, args.tokens))
-        if args.batched_bench:
-            command, rows = batched_bench(args.batched_bench, path, args, args.context,
-                                          args.threads, n_batch, n_ubatch, flash)
-            for n, row in rows.items():
-                keep("llama_batched_bench_tg", n, {"tps": float(row["speed_tg"])})
-                keep("llama_batched_bench_all", n,
-                     {"tps": float(row["pl"] * row["tg"] / row["t"])})
         print(f"round {r + 1}/{args.repeats} done", file=sys.stderr)
     batcher.close()
     session.close()
     if model is not None:
         model.close()
 
-    cols = [("in_turn", "in turn"), ("batched", "batched"), ("batched_tg", "batched tg"),
-            ("llama_batched_bench_tg", "l-b-b tg"), ("api_in_turn", "api in turn"),
-            ("api", "api")]
-    cols = [(k, t) for k, t in cols if k in best]
-    print(f"model {Path(path).name}, context {args.context}, threads {args.threads}, "
-          f"prompt {args.prompt}, tokens {args.tokens}, best of {args.repeats}; tok/s")
-    print("| N | " + " | ".join(t for _, t in cols) + " | batched / in turn |"
-          + (" batched tg / l-b-b tg |" if "llama_batched_bench_tg" in best else "")
-          + (" api / api in turn |" if "api" in best else ""))
+    print(f"{Path(path).name}: context {args.context}, {t} thread(s), prompt {args.prompt}, "
+          f"{args.tokens} tokens each; output tokens per CPU second, median of "
+          f"{args.repeats}")
+    head = "| N | in turn | batched | batched / in turn | batched TG |"
+    if lbb:
+        head += " llama-batched-bench TG | batched TG / l-b-b TG |"
+    if model is not None:
+        head += " api in turn | api | api / in turn |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
     for n in args.levels:
-        row = [f"{best[k][n]['tps']:.1f}" for k, _ in cols]
-        ratio = best["batched"][n]["tps"] / best["in_turn"][n]["tps"]
-        line = f"| {n} | " + " | ".join(row) + f" | {ratio:.2f}x |"
-        if "llama_batched_bench_tg" in best:
-            anchor = best["llama_batched_bench_tg"][n]["tps"]
-            line += f" {best['batched_tg'][n]['tps'] / anchor:.2f} |"
-        if "api" in best:
-            line += f" {best['api'][n]['tps'] / best['api_in_turn'][n]['tps']:.2f}x |"
+        a, b = tps(runs["in_turn"][n]), tps(runs["batched"][n])
+        line = f"| {n} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {tps(runs['batched_tg'][n]):.1f} |"
+        if lbb:
+            anchor = tps(runs["lbb_tg"][n])
+            line += f" {anchor:.1f} | {tps(runs['batched_tg'][n]) / anchor:.2f} |"
+        if model is not None:
+            c, d = tps(runs["api_in_turn"][n]), tps(runs["api"][n])
+            line += f" {c:.1f} | {d:.1f} | {d / c:.2f}x |"
         print(line)
-    if command:
-        print("llama-batched-bench:", " ".join(command))
+    if lbb:
+        print("llama-batched-bench:", " ".join(lbb), "-npl N -ntg T (and T/2)")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"model": Path(path).name, "context": args.context, "threads": args.threads,
+            {"model": Path(path).name, "context": args.context, "threads": t,
              "prompt": args.prompt, "tokens": args.tokens, "repeats": args.repeats,
-             "llama_batched_bench": command, "best": best}, indent=1) + "\n")
+             "llama_batched_bench": lbb, "runs": runs}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -109,9 +109,10 @@ def direct_openvino(path: str, n_ctx: int, threads: int, sampling: dict[str, Any
                     ) -> Callable[[str, int], Timing]:
     import openvino_genai as ov
 
-    # The same properties localrun's backend sets on CPU (an f32 KV cache), so that
-    # only the wrapper differs.
-    pipe = ov.LLMPipeline(path, "CPU", KV_CACHE_PRECISION="f32")
+    # The same precision localrun's backend sets on CPU (f32 compute and KV cache), so
+    # that only the wrapper differs (localrun runs it through ContinuousBatchingPipeline).
+    pipe = ov.LLMPipeline(path, "CPU", KV_CACHE_PRECISION="f32",
+                          INFERENCE_PRECISION_HINT="f32")
 
     def run(text: str, n_tokens: int) -> Timing:
         config = ov.GenerationConfig()

@@ -43,7 +43,9 @@ def session() -> Iterator[Any]:
     from localrun.backends.llama_cpp import LlamaCppSession
 
     path = test_model("gguf-q8_0")
-    s = LlamaCppSession(LoadRequest(path=str(path), format="gguf", context=CONTEXT))
+    # on the CPU: the exactness below is of llama.cpp's CPU kernels (module docstring)
+    s = LlamaCppSession(LoadRequest(path=str(path), format="gguf", context=CONTEXT,
+                                    device="cpu"))
     yield s
     s.close()
 
@@ -336,7 +338,7 @@ def test_model_calls_from_threads_run_together() -> None:
     from localrun.backends.llama_cpp_batch import LlamaCppBatcher
 
     with localrun.load(str(test_model("gguf-q8_0")), backend="llama.cpp",
-                       context=CONTEXT) as model:
+                       context=CONTEXT, device="cpu") as model:
         want = [model.chat(q, temperature=0, max_tokens=16).text for q in QUESTIONS]
         got: dict[int, str] = {}
         start = threading.Barrier(len(QUESTIONS))

@@ -114,9 +114,12 @@ def test_parallel_requests_run_together_in_the_engines_batch(model: Any) -> None
     with serve(ServerConfig(parallel=1, max_queue=N), preload={"m": model}) as s:
         assert _ps(s)["parallel"] == 1
         spans = sorted(_spans(s, N))
-    # one at a time: each one's first token came after the one before it had finished
-    for (_, last, _), (first, _, _) in itertools.pairwise(spans):
-        assert first > last, spans
+    # one at a time: each one's first token came after the one before it had finished.
+    # The last line's stamp can trail the engine by a few tens of ms (OpenVINO's step()
+    # holds the GIL while the handler writes): allow a tenth of a request's span, far
+    # below the whole-span overlap of requests that run together.
+    for (prev_first, last, _), (first, _, _) in itertools.pairwise(spans):
+        assert first > last - 0.1 * (last - prev_first), spans
 
 
 def test_default_parallel_is_the_engines_capacity_at_most_4_on_the_cpu(model: Any) -> None:

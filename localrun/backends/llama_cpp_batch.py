@@ -65,8 +65,9 @@ from localrun.structured.grammar import TokenMask
 if TYPE_CHECKING:
     from localrun.backends.llama_cpp import LlamaCppSession
 
-#: Most sequences in flight. On this 2-core CPU a step of 8 small-model sequences costs
-#: about two single steps (docs/results/llama_batch.md); more would mostly add memory.
+#: Most sequences in flight. A llama.cpp decode step grows slowly from 2 sequences to 8
+#: (on the 2-core machine of docs/results/llama_batch.md, 39 to 50 ms for SmolLM2), so 8
+#: give the most tokens/s there; more would mostly add KV memory.
 MAX_CAPACITY = 8
 #: Bytes the batch context's KV cache may take (capacity x the session's KV cache), and
 #: at most a quarter of the RAM available when the batcher is built.
@@ -162,6 +163,7 @@ class LlamaCppBatcher(Batcher):
         params = lc.llama_context_params.from_buffer_copy(llm.context_params)
         params.n_seq_max = capacity
         params.n_ctx = capacity * n_ctx_seq
+        params.n_batch = max(int(params.n_batch), capacity)  # a step's tokens fit one batch
         params.kv_unified = False
         ctx = lc.llama_init_from_model(llm._model.model, params)
         if not ctx:
@@ -179,7 +181,7 @@ class LlamaCppBatcher(Batcher):
         self._vocab = session._vocab
         self._n_vocab = int(llm.n_vocab())
         self._last_n = int(llm.last_n_tokens_size)
-        self._n_batch = max(int(lc.llama_n_batch(ctx)), capacity)
+        self._n_batch = int(lc.llama_n_batch(ctx))
         # a prompt chunk is one ubatch (see _chunk)
         self._n_chunk = min(self._n_batch, int(lc.llama_n_ubatch(ctx)))
         # The batch's arrays are ours (numpy, so that a prompt chunk is one slice
@@ -348,9 +350,8 @@ class LlamaCppBatcher(Batcher):
         slot = max(candidates, key=worth)  # the longest prefix, else the LRU slot
         keep = reuses[slot.id]
         source = max(self._slots, key=lambda s: reuses[s.id])
-        if source is not slot and reuses[source.id] - keep >= MIN_COPY and \
-                self._copy(source.id, slot.id):
-            keep = reuses[source.id]
+        if source is not slot and reuses[source.id] - keep >= MIN_COPY:
+            keep = reuses[source.id] if self._copy(source.id, slot.id) else 0
         self._lc.llama_memory_seq_rm(self._mem, slot.id, keep, -1)
         return slot, keep
 

@@ -12,13 +12,16 @@ blocks when it is destroyed.
 finished sequences, indexed by the tokens they hold, and a new prompt starts from the
 longest run of whole blocks it shares with any of them: the next turn of a chat
 prefills only the new turn, and a system prompt an agent sends again and again (or
-several, alternating) is prefilled once. Blocks nobody uses are overwritten least
-recently used first, before the cache grows, so the cache stays as large as the most
-the sequences in flight needed at once.
+several, alternating) is prefilled once. The cache is one context's worth of blocks
+(:func:`kv_blocks`); blocks no sequence in flight holds are overwritten least recently
+used first.
+
+``step()`` holds the GIL for the whole engine step (the binding does not release it,
+unlike ``generate()``): other Python threads run between steps.
 
 Text: a step yields one token for up to ``CAPACITY`` sequences; their text pieces come
 from ONE detokenizer call per window length (:class:`Detokenizer`), not one call per
-token, which was 3% of a 32-prompt batch's time.
+token, which took 2-3% of a 32-prompt batch's engine thread.
 
 The session gives what the batcher needs explicitly (its pipeline, EOS ids, the
 tokenizer's batch decode, its GenerationConfig builder), so this module does not import

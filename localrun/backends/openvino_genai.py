@@ -157,8 +157,8 @@ def npu_lengths(context: int, options: dict[str, Any]) -> tuple[int, int]:
 
 
 class OpenVINOSession(Session):
-    #: With the batching pipeline (CPU, GPU) a sequence alone runs through it too: its
-    #: prefix cache then serves every call, and one pipeline is loaded, not two.
+    #: True (set at load) with the batching pipeline (CPU, GPU): a sequence alone runs
+    #: through it too, so its prefix cache serves every call and one pipeline is loaded.
     batch_alone = False
     _batcher: Batcher | None = None
 
