@@ -218,9 +218,9 @@ def test_tiny_bench_every_field(tiny_report: BenchReport) -> None:
     assert mem["vram_bytes"] is None or mem["vram_bytes"] >= 0
     w1, w2 = run["workloads"]
     assert (w1["concurrency"], w1["requests"], w1["mode"]) == (1, 2, "stream")
-    # llama.cpp runs concurrent requests in turn (README: "llama.cpp, MLX and ONNX
-    # Runtime GenAI run them in turn")
-    assert (w2["concurrency"], w2["requests"], w2["mode"]) == (2, 4, "queued")
+    # llama.cpp decodes concurrent requests together in one context (README: "Engines
+    # that batch (llama.cpp, several sequences in one context; ...)")
+    assert (w2["concurrency"], w2["requests"], w2["mode"]) == (2, 4, "batched")
     for w, n in ((w1, 2), (w2, 4)):
         assert w["prompt_tokens_exact"] and w["prompt_tokens"] == 16
         _summary_ok(w["ttft"], n)
@@ -261,11 +261,11 @@ def test_prefix_cache_gain_is_real_on_llama_cpp() -> None:
     assert pc["ttft_gain"] > 1.5, pc
 
 
-#: README: "Engines that batch (OpenVINO GenAI's continuous batching; ExLlama's dynamic
-#: generator) run up to --concurrency sequences at once; llama.cpp, MLX and ONNX Runtime
-#: GenAI run them in turn." (llama.cpp: test_tiny_bench_every_field)
+#: README: "Engines that batch (llama.cpp, ...; OpenVINO GenAI's continuous batching;
+#: MLX's BatchGenerator; ...) run up to --concurrency sequences at once; ONNX Runtime
+#: GenAI runs them in turn." (llama.cpp: test_tiny_bench_every_field)
 MODES = (("openvino", "openvino-int4", "batched"), ("onnx", "onnx-int4", "queued"),
-         ("mlx", "mlx-4bit", "queued"))
+         ("mlx", "mlx-4bit", "batched"))
 
 
 @pytest.mark.slow
@@ -349,7 +349,7 @@ def test_cli_bench(tmp_path: Path, clean_env: dict[str, str]) -> None:
     assert r.returncode == 0, r.stderr
     for text in ("TTFT ms", "TPOT ms", "prefill tok/s", "decode tok/s", "out tok/s",
                  "roofline", "llama.cpp 0.3", "Q4_1", "Memory bandwidth", "135M params",
-                 "stream", "queued"):
+                 "stream", "batched"):
         assert text in r.stdout, text
     data = json.loads(js.read_text())
     assert data["schema_version"] == SCHEMA_VERSION

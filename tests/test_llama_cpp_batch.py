@@ -52,9 +52,11 @@ def session() -> Iterator[Any]:
 
 @pytest.fixture
 def batcher(session: Any) -> Iterator[Any]:
+    """Four slots, every step's tokens in one decode (whatever calibrate() would say on
+    this machine): the batched path is the one under test."""
     from localrun.backends.llama_cpp_batch import LlamaCppBatcher
 
-    b = LlamaCppBatcher(session, 4, CONTEXT)
+    b = LlamaCppBatcher(session, 4, CONTEXT, together=2)
     yield b
     b.close()
 
@@ -120,6 +122,44 @@ def test_greedy_batch_equals_single_path(session: Any, batcher: Any) -> None:
     # one decode step per token after the first (the EOS or the limit ends it)
     assert all(s.decode_tokens == s.completion_tokens - (s.finish_reason == "length")
                for s in stats)
+
+
+def test_a_decode_each_gives_the_same_tokens(session: Any) -> None:
+    """Below ``together`` each sequence gets a decode of its own in a step (calibrate()
+    picks that where it is faster): the same tokens, the same figures."""
+    from localrun.backends.llama_cpp_batch import LlamaCppBatcher
+
+    prompts = [chat(session, q) for q in QUESTIONS[:3]]
+    s = sampling(max_tokens=12, temperature=0.7, seed=9)
+    want = [alone(session, p, s)[0] for p in prompts]
+    b = LlamaCppBatcher(session, 4, CONTEXT, together=5)
+    try:
+        stats = [GenerationStats() for _ in prompts]
+        for k, p in enumerate(prompts):
+            b.add(k, p, s, stats[k])
+        texts = dict.fromkeys(range(3), "")
+        drain(b, texts)
+    finally:
+        b.close()
+    assert [texts[k] for k in range(3)] == want
+    assert all(st.decode_tokens == st.completion_tokens - (st.finish_reason == "length")
+               for st in stats)
+
+
+def test_calibrate_picks_a_threshold(session: Any) -> None:
+    from localrun.backends.llama_cpp_batch import LlamaCppBatcher
+
+    b = LlamaCppBatcher(session, 4, CONTEXT)
+    try:
+        assert 2 <= b.together <= 5
+        assert 2 <= b.calibrate(repeats=1) <= 5
+        assert all(not s.cells for s in b._slots)  # the timing runs left no cells
+        stats = GenerationStats()  # and the slots work as before
+        b.add(0, chat(session, QUESTIONS[0]), sampling(max_tokens=6), stats)
+        drain(b, {0: ""})
+        assert stats.completion_tokens > 0
+    finally:
+        b.close()
 
 
 def test_each_sequence_its_own_sampling_and_limit(session: Any, batcher: Any) -> None:

@@ -32,6 +32,7 @@ from localrun.backends.base import (
     Session,
     check_options,
 )
+from localrun.backends.llama_cpp_kv import KV_TYPES
 from localrun.errors import EngineNotInstalledError, LocalrunError, ModelFileError
 from localrun.formats.gguf import GGUFInfo, read_gguf
 from localrun.memory import (
@@ -47,14 +48,6 @@ from localrun.structured.engines import LazyGrammar, llama_cpp_processors
 from localrun.structured.grammar import tokenizer_from_llama
 from localrun.templates import render_chat
 from localrun.types import CancelToken, Message, ModelInfo
-
-#: KV cache choices: the ggml type llama-cpp-python names, and bytes per element
-#: (q8_0 / q4_0 blocks hold 32 values in 34 / 18 bytes).
-KV_TYPES: dict[str, tuple[str, float]] = {
-    "f16": ("GGML_TYPE_F16", 2.0),
-    "q8_0": ("GGML_TYPE_Q8_0", 34 / 32),
-    "q4_0": ("GGML_TYPE_Q4_0", 18 / 32),
-}
 
 #: Device words llama.cpp takes. Each GPU kind is a llama.cpp build (CUDA, HIP, Vulkan,
 #: Metal); "gpu" is whichever the installed build has. ``kind:N`` / ``kind:N,M`` name GPUs

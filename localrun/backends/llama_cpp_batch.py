@@ -15,7 +15,10 @@ sit among its neighbours' and the attention sums them in another order.)
 
 **A step** decodes one token of every sequence that is generating, all in one
 ``llama_decode`` of one ``llama_batch`` (one row per slot, in slot order), and each
-draws its next token from its own sampler chain at its row of the logits. Then new
+draws its next token from its own sampler chain at its row of the logits. (Unless
+fewer than :attr:`LlamaCppBatcher.together` are generating: then each gets a decode of
+its own. Some llama.cpp builds multiply a few tokens at once much slower than one;
+:meth:`LlamaCppBatcher.calibrate` times both when the batcher is built.) Then new
 sequences' prompts are fed, each in a decode of its own, up to about ``n_batch`` tokens
 per step (a long prompt goes over several steps while the others keep generating).
 llama.cpp cuts a batch over several streams into ubatches of *consecutive* seq ids, so
@@ -151,7 +154,8 @@ class LlamaCppBatcher(Batcher):
     docstring). Built by :meth:`LlamaCppSession.batcher`; ``capacity`` slots of
     ``n_ctx_seq`` tokens each."""
 
-    def __init__(self, session: LlamaCppSession, capacity: int, n_ctx_seq: int) -> None:
+    def __init__(self, session: LlamaCppSession, capacity: int, n_ctx_seq: int,
+                 together: int | None = None) -> None:
         import numpy as np
 
         lc = session._lc
@@ -210,6 +214,8 @@ class LlamaCppBatcher(Batcher):
         self._seqs: dict[int, _Seq] = {}
         self._ended: list[tuple[int, str | None]] = []  # ends for the next step to report
         self._admitted = 0
+        #: fewest generating sequences decoded in one llama_decode; fewer get one each
+        self.together = together if together is not None else self.calibrate()
 
     # -- the Batcher contract ------------------------------------------------------------
 
@@ -256,7 +262,7 @@ class LlamaCppBatcher(Batcher):
         sample = lc.llama_sampler_sample
         drawn: list[tuple[_Seq, int]] = []
         decoding = [q for q in live if q.n_gen and q.n_past == len(q.tokens) - 1]
-        if decoding:  # one token each, in one decode (slot order: consecutive streams)
+        if len(decoding) >= self.together:  # one decode (slot order: consecutive streams)
             t0 = time.perf_counter()
             self._decode([(q, 1) for q in decoding], live, "decode")
             for q in decoding:
@@ -265,6 +271,13 @@ class LlamaCppBatcher(Batcher):
             for q in decoding:
                 q.stats.decode_tokens += 1
                 q.stats.decode_seconds += dt
+        else:  # a decode each, faster on this build (see calibrate); drawn at once
+            for q in decoding:
+                t0 = time.perf_counter()
+                self._decode([(q, 1)], live, "decode")
+                drawn.append((q, sample(q.chain.sampler, ctx, q.out)))
+                q.stats.decode_tokens += 1
+                q.stats.decode_seconds += time.perf_counter() - t0
         rows = 0
         for q in sorted((q for q in live if not q.n_gen or q.n_past < len(q.tokens) - 1),
                         key=lambda q: q.order):
@@ -317,6 +330,42 @@ class LlamaCppBatcher(Batcher):
             self._ended.append((seq.key, None))
             self._release(seq)
         self._lc.llama_free(ctx)
+
+    def calibrate(self, repeats: int = 3) -> int:
+        """The fewest sequences one decode of a token each runs faster than a decode per
+        sequence (``capacity + 1``: never), timed now on empty slots (the fastest of
+        ``repeats``). llama.cpp's CPU matmul for two tokens or more takes another kernel
+        (llamafile's tinyBLAS), which on some CPUs costs 3-4x the one-token kernel per
+        step (measured here: docs/results/llama_batch.md); there, a few sequences run
+        faster one decode each. Both give the same logits, bit for bit (checked on
+        SmolLM2), so the choice changes speed only."""
+
+        def timed(n: int) -> float:
+            best = float("inf")
+            for _ in range(repeats):
+                for i in range(n):
+                    self._token[i], self._pos[i], self._sid[i] = 0, 0, i
+                    self._logits[i] = 1
+                self._batch.n_tokens = n
+                t0 = time.perf_counter()
+                rc = self._lc.llama_decode(self._ctx, self._batch)
+                best = min(best, time.perf_counter() - t0)
+                for i in range(n):
+                    self._lc.llama_memory_seq_rm(self._mem, i, -1, -1)
+                if rc != 0:
+                    raise GenerationError("llama.cpp", f"llama_decode returned {rc} for a "
+                                          f"calibration batch of {n} tokens")
+            return best
+
+        self._lc.llama_set_n_threads(self._ctx, *self._threads["decode"])
+        self._mode = "decode"
+        one = timed(1)
+        n = 2
+        while n <= self.capacity:
+            if timed(n) < n * one:
+                return n  # and more: a step's cost grows slower than its sequences
+            n = self.capacity if n < self.capacity <= 2 * n else 2 * n
+        return self.capacity + 1
 
     # -- placing a new sequence ------------------------------------------------------------
 
@@ -491,7 +540,7 @@ def make_batcher(session: LlamaCppSession) -> LlamaCppBatcher | None:
 
 def kv_bytes_per_token(session: LlamaCppSession) -> int:
     """KV cache bytes per token of the session's model, in its KV cache type."""
-    from localrun.backends.llama_cpp import KV_TYPES
+    from localrun.backends.llama_cpp_kv import KV_TYPES
 
     lc, model = session._lc, session._llm._model.model
     n_head = max(int(lc.llama_model_n_head(model)), 1)
