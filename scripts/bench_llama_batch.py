@@ -10,8 +10,10 @@ that greedy decoding runs on rather than stopping), ``--tokens`` generated each,
 - **in turn**: the N sequences one after another through ``Session.generate`` (the
   single path, llama-cpp-python's ``Llama.generate``), prompts included.
 - **batched**: the N added to the session's Batcher together and stepped until all end,
-  prompts included; **batched TG**: only the decode steps of the second half of the
-  reply (every sequence generating, one token each per step).
+  prompts included, as localrun runs them: one decode for the step's tokens from
+  ``together`` sequences on (``LlamaCppBatcher.calibrate``), a decode each below.
+- **batched TG**: the Batcher with every step in one decode (``together=2``), only the
+  decode steps of the second half of the reply (every sequence generating).
 - **llama-batched-bench** ``-npp P -ntg T -npl N``, run with ``-ntg T`` and ``-ntg T/2``:
   the difference is the cost of the last T/2 decode steps, the window of batched TG.
   Same threads, batch and ubatch sizes, flash attention; ``-c`` = 8 x the context, so
@@ -189,6 +191,7 @@ def main() -> None:
     batcher = LlamaCppBatcher(session, max(args.levels), args.context)
     session._batcher = batcher
     pin_threads(session, t)
+    calibrated = batcher.calibrate(repeats=5)
     model = None
     if not args.no_api:
         model = localrun.load(path, backend="llama.cpp", context=args.context, threads=t)
@@ -207,9 +210,10 @@ def main() -> None:
         for n in args.levels:
             prompts = story_prompts(session, n, args.prompt)
             keep("in_turn", n, in_turn(session, prompts, args.tokens))
-            whole, tg = batched(batcher, prompts, args.tokens)
-            keep("batched", n, whole)
-            keep("batched_tg", n, tg)
+            batcher.together = calibrated
+            keep("batched", n, batched(batcher, prompts, args.tokens)[0])
+            batcher.together = 2
+            keep("batched_tg", n, batched(batcher, prompts, args.tokens)[1])
             if lbb:
                 half = args.tokens // 2
                 row, cpu = batched_bench(lbb, n, args.tokens)
@@ -228,7 +232,7 @@ def main() -> None:
 
     print(f"{Path(path).name}: context {args.context}, {t} thread(s), prompt {args.prompt}, "
           f"{args.tokens} tokens each; output tokens per CPU second, median of "
-          f"{args.repeats}")
+          f"{args.repeats}; one decode per step from {calibrated} sequences on")
     head = "| N | in turn | batched | batched / in turn | batched TG |"
     if lbb:
         head += " llama-batched-bench TG | batched TG / l-b-b TG |"
@@ -252,7 +256,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(
             {"model": Path(path).name, "context": args.context, "threads": t,
              "prompt": args.prompt, "tokens": args.tokens, "repeats": args.repeats,
-             "llama_batched_bench": lbb, "runs": runs}, indent=1) + "\n")
+             "together": calibrated, "llama_batched_bench": lbb, "runs": runs},
+            indent=1) + "\n")
 
 
 if __name__ == "__main__":

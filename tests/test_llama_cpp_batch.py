@@ -313,6 +313,28 @@ def test_structured_output_enforced_per_sequence(session: Any, batcher: Any) -> 
     assert stats[0].finish_reason == "stop"
 
 
+def test_a_grammar_failure_ends_that_sequence_alone(session: Any, batcher: Any) -> None:
+    """A matcher that rejects a token fails its own sequence (stats.error, then its end);
+    the sequence beside it goes on to the single path's reply."""
+    from localrun.errors import GenerationError
+
+    constraint = Constraint.json({"type": "object"})
+    session.check_constraint(constraint)
+    stats = [GenerationStats(), GenerationStats()]
+    batcher.add(0, chat(session, "Give me JSON."), sampling(constraint=constraint), stats[0])
+    batcher.add(1, chat(session, QUESTIONS[0]), sampling(), stats[1])
+
+    def reject(token: int) -> None:
+        raise GenerationError("llama.cpp", f"the constrained decoder rejected token {token}")
+
+    batcher._seqs[0].mask.consume = reject
+    texts = {0: "", 1: ""}
+    drain(batcher, texts)
+    assert isinstance(stats[0].error, GenerationError) and texts[0] == ""
+    assert stats[1].error is None and texts[1] == alone(session, chat(session, QUESTIONS[0]),
+                                                        sampling())[0]
+
+
 def test_close_frees_the_context(session: Any) -> None:
     from localrun.backends.llama_cpp_batch import LlamaCppBatcher
 

@@ -27,12 +27,13 @@ fills a gap in the run or extends it (a gap costs one more pass over the weights
 
 **The single path's tokens.** llama.cpp's CPU kernels are not batch-invariant: flash
 attention computes a ubatch of 64+ tokens of one stream with a tiled kernel and fewer
-row by row, and splits the cells of a lone one-token decode over the threads once they
-pass 256. So prompts are fed as :meth:`LlamaCppBatcher._chunk` says (chunks of 64+
-tokens, alone in their decode), and a sequence's tokens are those of
-``Session.generate`` (greedy, or sampled with the same seed) with or without
-neighbours, with or without a reused prefix, while it stays under 256 cells; past
-that, a lone sequence and one decoded beside others may part (as in llama-server).
+row by row, and takes a split-KV path for a one-token decode of a stream alone in its
+ubatch once the stream holds more than 256 cells. So prompts are fed as
+:meth:`LlamaCppBatcher._chunk` says (chunks of 64+ tokens, alone in their decode), and
+a sequence's tokens are those of ``Session.generate`` (greedy, or sampled with the same
+seed) with or without neighbours, with or without a reused prefix, while it stays
+under 256 cells; past that, one decoded beside others and one decoded alone may part
+(as in llama-server). See docs/results/llama_batch.md.
 
 **Sampling** is the single path's chain (:func:`~localrun.backends.llama_cpp.temperature_first`),
 built from the same llama.cpp samplers in the same order: the structured-output mask
