@@ -26,7 +26,8 @@ Figures are output tokens per second of **CPU time** (the process's, the engine
 thread's included; llama-batched-bench's from its rusage), the median of ``--repeats``
 rounds, modes interleaved: on a shared machine the wall clock mostly measures the
 neighbours, while one thread's CPU time is what the work costs on a core of its own.
-The JSON (``--json``) also holds each run's wall-clock figures.
+``--clock wall`` prints wall-clock figures instead (a quiet machine, several threads);
+the JSON (``--json``) holds both for every run.
 Not a test: numbers depend on the machine.
 """
 
@@ -168,6 +169,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batched-bench", help="llama.cpp's llama-batched-bench executable")
     ap.add_argument("--no-api", action="store_true", help="skip the Model.batch figures")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="the table's clock (cpu: one thread's cost on a shared machine; "
+                    "wall: on a quiet one, with several threads); the JSON has both")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -230,8 +234,10 @@ def main() -> None:
     if model is not None:
         model.close()
 
+    clock = args.clock
+    unit = "CPU second" if clock == "cpu" else "second (wall clock)"
     print(f"{Path(path).name}: context {args.context}, {t} thread(s), prompt {args.prompt}, "
-          f"{args.tokens} tokens each; output tokens per CPU second, median of "
+          f"{args.tokens} tokens each; output tokens per {unit}, median of "
           f"{args.repeats}; one decode per step from {calibrated} sequences on")
     head = "| N | in turn | batched | batched / in turn | batched TG |"
     if lbb:
@@ -241,13 +247,14 @@ def main() -> None:
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for n in args.levels:
-        a, b = tps(runs["in_turn"][n]), tps(runs["batched"][n])
-        line = f"| {n} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {tps(runs['batched_tg'][n]):.1f} |"
+        a, b = tps(runs["in_turn"][n], clock), tps(runs["batched"][n], clock)
+        tg = tps(runs["batched_tg"][n], clock)
+        line = f"| {n} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {tg:.1f} |"
         if lbb:
-            anchor = tps(runs["lbb_tg"][n])
-            line += f" {anchor:.1f} | {tps(runs['batched_tg'][n]) / anchor:.2f} |"
+            anchor = tps(runs["lbb_tg"][n], clock)
+            line += f" {anchor:.1f} | {tg / anchor:.2f} |"
         if model is not None:
-            c, d = tps(runs["api_in_turn"][n]), tps(runs["api"][n])
+            c, d = tps(runs["api_in_turn"][n], clock), tps(runs["api"][n], clock)
             line += f" {c:.1f} | {d:.1f} | {d / c:.2f}x |"
         print(line)
     if lbb:

@@ -79,10 +79,11 @@ def shared(a: Prompt, b: Prompt) -> int:
 
 
 def reused(before: Prompt, prompt: Prompt) -> int:
-    """Tokens of ``prompt`` the batcher takes from cells ``before`` left: the common
-    prefix, less the last TILE tokens (or the last one, for a prompt shorter than TILE)."""
+    """Tokens of ``prompt`` the batcher takes from cells ``before`` left (prompts under
+    512 tokens, both over TILE or both under): the common prefix, less the last TILE
+    tokens (or the last two, for a prompt shorter than TILE)."""
     n = len(prompt.tokens)
-    return min(shared(before, prompt), n - (64 if n >= 64 else 1))
+    return min(shared(before, prompt), n - (64 if n >= 64 else 2))
 
 
 def drain(b: Any, texts: dict[int, str], until: set[int] | None = None,
@@ -271,6 +272,91 @@ def test_prefix_reuse_several_prompts(session: Any, batcher: Any) -> None:
     assert stats.prefill_tokens == 64 and again == text_a
 
 
+def single_logits(session: Any, prompt: Prompt) -> Any:
+    """The logits the single path draws its first token from, the prompt fed whole."""
+    import numpy as np
+
+    session._llm.reset()
+    pieces = session.generate(prompt, sampling(max_tokens=2), CancelToken(), GenerationStats())
+    next(pieces)  # the prompt is evaluated, its last token's logits are the context's
+    row = session._lc.llama_get_logits_ith(session._ctx_ptr, -1)
+    logits = np.ctypeslib.as_array(row, shape=(session._llm.n_vocab(),)).copy()
+    pieces.close()
+    return logits
+
+
+def batch_logits(batcher: Any, key: int, prompt: Prompt) -> tuple[Any, GenerationStats]:
+    """The logits the batcher draws the first token of ``prompt`` from, and its stats."""
+    import numpy as np
+
+    stats = GenerationStats()
+    batcher.add(key, prompt, sampling(max_tokens=1), stats)
+    seq = batcher._seqs[key]
+    while seq.n_past < len(prompt.tokens):
+        batcher.step()  # the last decode of the step that ends the prompt is its own
+    row = batcher._lc.llama_get_logits_ith(batcher._ctx, seq.out)
+    logits = np.ctypeslib.as_array(row, shape=(batcher._n_vocab,)).copy()
+    if key in batcher._seqs:
+        drain(batcher, {key: ""})
+    return logits, stats
+
+
+def test_prompt_logits_bit_identical_to_the_single_path(session: Any, batcher: Any) -> None:
+    """Every prompt token computed as the single path computes the whole prompt: the
+    first token's logits are the same bits, fed whole or after reusing cells, for a
+    prompt under 64 tokens (row by row), one of one tiled 512-token piece, and one of a
+    tiled piece and a short last piece, with the reused cells ending in either."""
+    import numpy as np
+
+    words = "Customers ask about bread, cakes, opening hours and orders. "
+    system, n = "", 0
+    while not 512 + 8 < n < 512 + 56:  # a short last piece, computed row by row
+        system += words
+        n = len(chat(session, "Name a color.", system).tokens)
+        assert n < 600, "no prompt length in the range"
+    cases = [  # (cells first, then the prompt measured)
+        (chat(session, "Hi."), chat(session, "Name a fruit.")),
+        (chat(session, "Hi.", SYSTEM), chat(session, "Name a fruit.", SYSTEM)),
+        (chat(session, "Name a color.", system), chat(session, "Name a tree.", system)),
+        (chat(session, "Name a color.", system), chat(session, "Name a fruit.", system[8:])),
+    ]
+    assert len(cases[0][1].tokens) < 64 < len(cases[1][1].tokens) < 512
+    assert shared(*cases[2]) > 512 and shared(*cases[3]) < 64
+    key = 0
+    for before, prompt in cases:
+        fresh, _ = batch_logits(batcher, key, prompt)
+        batch_logits(batcher, key + 1, before)
+        reused, stats = batch_logits(batcher, key + 2, prompt)
+        key += 3
+        want = single_logits(session, prompt)
+        assert np.array_equal(fresh, want), (key, float(np.abs(fresh - want).max()))
+        assert np.array_equal(reused, want), (key, float(np.abs(reused - want).max()))
+        assert stats.prefill_tokens < len(prompt.tokens) or shared(before, prompt) < 32
+
+
+def test_reusable_prefix() -> None:
+    from localrun.backends.llama_cpp_batch import reusable_prefix
+
+    def keep(n: int, common: int, cached: int | None = None) -> int:
+        return reusable_prefix(n, common, 512, n if cached is None else cached)
+
+    assert keep(30, 20) == 20  # one short piece: row by row anyway
+    assert keep(30, 29) == 28  # two tokens fed, as in the piece computed whole
+    assert keep(30, 40) == 28  # (the last token is always fed)
+    assert keep(513, 512) == 512  # a piece of one token: one token it is
+    assert keep(91, 81) == 27  # a tiled piece: its last 64 tokens recomputed
+    assert keep(91, 20) == 20
+    assert keep(530, 520) == 520  # in the short last piece [512, 530), row by row
+    assert keep(530, 500) == 448  # in the tiled piece [0, 512)
+    assert keep(1100, 1030) == 1030  # [1024, 1100) is tiled and keeps 70 tokens
+    assert keep(1100, 1050) == 1036
+    assert keep(5, 0) == 0
+    # only the slot's prompt counts (a reply was decoded a token at a time)...
+    assert keep(200, 150, cached=100) == 100
+    # ...and only pieces its prompt computed with the kernel this prompt's piece takes
+    assert keep(200, 30, cached=32) == 0  # [0, 32) went row by row, [0, 200) is tiled
+    assert keep(600, 520, cached=530) == 512  # [512, 530) row by row, [512, 600) tiled
+    assert keep(560, 540, cached=530) == 530  # [512, 560) goes row by row too
 def test_shared_prefix_copied_from_a_running_sequence(session: Any, batcher: Any) -> None:
     """Two requests with one long system prompt at once: the second copies the first's
     cells into its own slot instead of prefilling them."""

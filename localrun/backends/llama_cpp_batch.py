@@ -28,12 +28,13 @@ fills a gap in the run or extends it (a gap costs one more pass over the weights
 **The single path's tokens.** llama.cpp's CPU kernels are not batch-invariant: flash
 attention computes a ubatch of 64+ tokens of one stream with a tiled kernel and fewer
 row by row, and takes a split-KV path for a one-token decode of a stream alone in its
-ubatch once the stream holds more than 256 cells. So prompts are fed as
-:meth:`LlamaCppBatcher._chunk` says (chunks of 64+ tokens, alone in their decode), and
-a sequence's tokens are those of ``Session.generate`` (greedy, or sampled with the same
-seed) with or without neighbours, with or without a reused prefix, while it stays
-under 256 cells; past that, one decoded beside others and one decoded alone may part
-(as in llama-server). See docs/results/llama_batch.md.
+ubatch once the stream holds more than 256 cells. So a prompt is fed alone in its
+decode, in the pieces ``Llama.generate`` feeds it in, and a reused prefix is cut where
+recomputing the rest keeps those pieces' kernels (:func:`reusable_prefix`): a
+sequence's tokens are those of ``Session.generate`` from a clean context (greedy, or
+sampled with the same seed), with or without neighbours, with or without a reused
+prefix, while it stays under 256 cells; past that, one decoded beside others and one
+decoded alone may part (as in llama-server). See docs/results/llama_batch.md.
 
 **Sampling** is the single path's chain (:func:`~localrun.backends.llama_cpp.temperature_first`),
 built from the same llama.cpp samplers in the same order: the structured-output mask
@@ -43,10 +44,12 @@ temperature, top_k, top_p, min_p and the seeded draw. A constraint is enforced p
 sequence: its matcher is fed each token drawn, as in the single path.
 
 **KV reuse.** A slot keeps the cells of the sequence that last ran in it. A new prompt
-takes the free slot whose cells share the longest prefix with it (at least
+takes the free slot whose cells share the longest usable prefix with it (at least
 :data:`MIN_REUSE` tokens; else the least recently used slot), among those that keep the
-run consecutive, trims them to that prefix (``llama_memory_seq_rm``) and prefills
-only the rest: the next turn of a chat prefills the new message, an agent alternating
+run consecutive, trims them to it (``llama_memory_seq_rm``) and prefills only the rest.
+Usable is what :func:`reusable_prefix` allows: cells of the previous prompt, not of its
+reply (decoded a token at a time, they differ from the same tokens prefilled), so the
+next turn of a chat prefills the last reply and the new message; an agent alternating
 system prompts finds each in its own slot. When a longer prefix is held elsewhere (by a
 sequence in flight, or a slot off the run), its cells are copied over
 (``llama_state_seq_get_data``/``set_data``: that sequence's cells only) if that saves
@@ -83,7 +86,7 @@ MIN_REUSE = 32
 #: Prompt tokens a copy of another slot's cells must save to be worth its memcpy.
 MIN_COPY = 32
 #: Query rows from which llama.cpp's CPU flash attention takes its tiled kernel
-#: (GGML_FA_TILE_Q in ggml-cpu/common.h); see LlamaCppBatcher._chunk.
+#: (GGML_FA_TILE_Q in ggml-cpu/common.h); see reusable_prefix.
 TILE = 64
 #: Prompt tokens compared at once when looking for a common prefix (C-speed slices).
 _CHUNK = 256
@@ -110,12 +113,44 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def reusable_prefix(n_prompt: int, common: int, chunk: int, cached_prompt: int) -> int:
+    """How many of a prompt's first ``common`` tokens may keep the cells a slot has for
+    them, so that feeding the rest in ``chunk``-aligned pieces computes every token as
+    ``Llama.generate`` does for the whole prompt (pieces of ``chunk`` tokens from 0).
+
+    llama.cpp's CPU flash attention computes a ubatch of :data:`TILE` or more tokens of a
+    stream with its tiled kernel and a shorter one row by row, which rounds differently
+    (logits apart by up to 1.1 on SmolLM2), and every layer's cells carry that. So only
+    the cells of the slot's own prompt count (its ``cached_prompt`` first tokens; a reply
+    was computed a token at a time), only in pieces computed with the kernel this
+    prompt's piece takes, a piece's tokens are recomputed in a ubatch of TILE or more if
+    the piece has that many, and of two or more if it has (a lone token of a stream
+    past 256 cells takes a split-KV kernel). The last prompt token is always fed (its
+    logits are drawn from)."""
+
+    def tiled(length: int, piece: int) -> bool:
+        return min(chunk, length - piece * chunk) >= TILE
+
+    keep = max(min(common, cached_prompt, n_prompt - 1), 0)
+    for piece in range(-(-keep // chunk)):
+        if tiled(cached_prompt, piece) != tiled(n_prompt, piece):
+            keep = piece * chunk
+            break
+    start = keep - keep % chunk  # the piece of the whole prompt that keep falls in
+    end = min(start + chunk, n_prompt)
+    if end - start >= TILE and end - keep < TILE:
+        keep = end - TILE
+    elif end - keep == 1 < end - start:  # one token alone takes a split-KV kernel
+        keep = end - 2
+    return keep
+
+
 class _Seq:
     """One sequence in flight: its tokens (prompt, then reply), how many of them have KV
     cells in its slot, and its own sampler chain, grammar matcher and UTF-8 decoder."""
 
     __slots__ = ("chain", "decoder", "key", "limit", "mask", "n_gen", "n_past",
-                 "order", "out", "slot", "stats", "tokens")
+                 "n_prompt", "order", "out", "slot", "stats", "tokens")
 
     def __init__(self, key: int, slot: int, tokens: list[int], n_past: int, limit: int,
                  chain: Any, mask: TokenMask | None, stats: GenerationStats,
@@ -123,6 +158,7 @@ class _Seq:
         self.key = key
         self.slot = slot
         self.tokens = tokens
+        self.n_prompt = len(tokens)
         self.n_past = n_past  # tokens[:n_past] have cells (positions 0 .. n_past-1)
         self.limit = limit
         self.chain = chain
@@ -137,17 +173,21 @@ class _Seq:
 class _Slot:
     """One KV stream: the sequence running in it, or the tokens whose cells it kept."""
 
-    __slots__ = ("cells", "id", "seq", "used")
+    __slots__ = ("cells", "id", "prompt", "seq", "used")
 
     def __init__(self, sid: int) -> None:
         self.id = sid
         self.seq: _Seq | None = None
         self.cells: list[int] = []  # when idle: the tokens at positions 0 .. len-1
+        self.prompt = 0  # ... the first of which were its sequence's prompt
         self.used = 0.0  # perf_counter() when its last sequence ended (LRU)
 
-    def held(self) -> list[int]:
+    def held(self) -> tuple[list[int], int]:
+        """The tokens whose cells the slot holds, and how many of them were prompt."""
         seq = self.seq
-        return self.cells if seq is None else seq.tokens[:seq.n_past]
+        if seq is None:
+            return self.cells, self.prompt
+        return seq.tokens[:seq.n_past], min(seq.n_prompt, seq.n_past)
 
 
 class LlamaCppBatcher(Batcher):
@@ -384,12 +424,11 @@ class LlamaCppBatcher(Batcher):
             candidates = gaps or [s for s in free if s.id in (lo - 1, hi + 1)]
         else:
             candidates = free
-        # the last prompt token is always fed (its logits are drawn from), and a prompt of
-        # TILE tokens or more feeds at least TILE (computed as when fed whole: _chunk)
-        room = len(tokens) - (TILE if len(tokens) >= TILE else 1)
+        n, chunk = len(tokens), self._n_chunk
 
         def reuse(slot: _Slot) -> int:
-            return min(common_prefix(slot.held(), tokens), room)
+            cells, prompt = slot.held()
+            return reusable_prefix(n, common_prefix(cells, tokens), chunk, prompt)
 
         reuses = {s.id: reuse(s) for s in self._slots}
 
@@ -446,17 +485,11 @@ class LlamaCppBatcher(Batcher):
     # -- one step ------------------------------------------------------------------------
 
     def _chunk(self, seq: _Seq) -> int:
-        """Prompt tokens to feed ``seq`` now. llama.cpp's CPU flash attention computes a
-        ubatch of at least :data:`TILE` tokens of one stream with its tiled kernel and a
-        shorter one row by row, which rounds differently (logits apart by up to ~1 on
-        SmolLM2). So a prompt of TILE tokens or more is always fed in chunks of at least
-        TILE (the last one too), alone in its decode: every prompt token is then computed
-        as when the whole prompt is fed at once, whatever was reused or ran beside it."""
-        left = len(seq.tokens) - seq.n_past
-        k = min(left, self._n_chunk)
-        if len(seq.tokens) >= TILE and 0 < left - k < TILE and self._n_chunk >= 2 * TILE:
-            k = left - TILE
-        return k
+        """Prompt tokens to feed ``seq`` now, alone in their decode: up to the next
+        multiple of the chunk size, so that every prompt token is computed in a ubatch of
+        the size it has in ``Llama.generate`` (see :func:`reusable_prefix`)."""
+        chunk = self._n_chunk
+        return min(len(seq.tokens), (seq.n_past // chunk + 1) * chunk) - seq.n_past
 
     def _decode(self, feed: list[tuple[_Seq, int]], live: list[_Seq], mode: str) -> None:
         """One llama_decode of ``k`` next tokens of each sequence; the logits of a
@@ -499,7 +532,7 @@ class LlamaCppBatcher(Batcher):
     def _release(self, seq: _Seq) -> None:
         """The sequence leaves; its slot keeps its cells for the next prompts."""
         slot = self._slots[seq.slot]
-        slot.cells = seq.tokens[:seq.n_past]
+        slot.cells, slot.prompt = slot.held()
         slot.seq = None
         slot.used = time.perf_counter()
         del self._seqs[seq.key]
