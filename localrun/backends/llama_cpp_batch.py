@@ -565,8 +565,10 @@ def _masking(lc: Any, mask: TokenMask) -> Callable[[Any], None]:
 
 def make_batcher(session: LlamaCppSession) -> LlamaCppBatcher | None:
     """The batcher for a session, with as many slots as fit (None: fewer than two)."""
+    from localrun.memory import available_ram_bytes
+
     n_ctx_seq = -(-int(session._llm.n_ctx()) // 256) * 256  # llama.cpp pads streams to 256
-    capacity = batch_capacity(n_ctx_seq * kv_bytes_per_token(session), _available_ram())
+    capacity = batch_capacity(n_ctx_seq * kv_bytes_per_token(session), available_ram_bytes())
     if capacity < 2:
         return None
     return LlamaCppBatcher(session, capacity, n_ctx_seq)
@@ -592,12 +594,3 @@ def kv_bytes_per_token(session: LlamaCppSession) -> int:
     elem = next((b for name, b in KV_TYPES.values() if name == type_k), 2.0)
     per = 2 * int(lc.llama_model_n_layer(model)) * int(lc.llama_model_n_head_kv(model))
     return int(per * head_dim * elem)
-
-
-def _available_ram() -> int | None:
-    import platform
-
-    from localrun.hardware.host import probe_ram
-    from localrun.hardware.system import Notes
-
-    return probe_ram(platform.system(), Notes())[1]
