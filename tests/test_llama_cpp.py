@@ -165,12 +165,20 @@ def test_abandoned_stream_frees_the_model(llama_model: Any) -> None:
     assert llama_model.chat("Hi", max_tokens=2).usage.completion_tokens >= 1
 
 
-def test_same_thread_nested_call_is_refused(llama_model: Any) -> None:
-    stream = llama_model.stream("Tell me a story.", max_tokens=50)
-    next(stream)
-    with pytest.raises(localrun.LocalrunError, match="open stream"):
-        llama_model.chat("Hi")
-    stream.close()
+def test_same_thread_nested_call_is_refused(default_gguf: Path) -> None:
+    # a model of its own: the shared one may have built its batcher (other tests), and
+    # then a lone stream runs there and a nested call joins it (below)
+    with localrun.load(str(default_gguf), context=256) as m:
+        stream = m.stream("Tell me a story.", max_tokens=50)
+        next(stream)  # the single path: this thread owns the engine
+        with pytest.raises(localrun.LocalrunError, match="open stream"):
+            m.chat("Hi")
+        stream.close()
+        assert m.max_concurrency >= 2  # builds the batcher: lone streams run there now
+        stream = m.stream("Tell me a story.", max_tokens=50)
+        next(stream)
+        assert m.chat("Hi", max_tokens=2).usage.completion_tokens >= 1
+        stream.close()
 
 
 def test_raw_completion(llama_model: Any) -> None:

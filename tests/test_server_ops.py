@@ -194,7 +194,8 @@ def test_engine_error_is_a_500_and_the_server_stays_up(srv: Running) -> None:
             raise RuntimeError("simulated engine fault")
 
         session.generate = failing  # type: ignore[method-assign]
-        srv.manager._register("failing", "chat", None, m, 0.0, pinned=True, size=0)
+        # one at a time: no batcher is built, so every request runs the failing generate()
+        srv.manager._register("failing", "chat", None, m, 0.0, pinned=True, size=0, slots=1)
         try:
             status, _, body = request("POST", srv.v1 + "/chat/completions", {
                 "model": "failing", "messages": [{"role": "user", "content": "Hi"}]})

@@ -10,6 +10,14 @@ top_k, top_p, min_p, then the draw (:func:`temperature_first`). llama-cpp-python
 chain applies the temperature last, so its filters would act at temperature 1. The seed
 is the driver's (always set; 2**32 - 1, llama.cpp's "random", goes in as 0), and so is
 ``max_tokens``, already within the context.
+
+**KV reuse.** The context keeps the last call's cells, and a prompt that starts as the
+last one did keeps some of them (:meth:`LlamaCppSession._keep_cells`): only as many as
+let every other prompt token be computed by the kernel that computes it when the prompt
+is fed whole, so that a reply never depends on what ran before (llama.cpp's CPU kernels
+are not batch-invariant; the rule is the batcher's, :func:`reusable_prefix`).
+llama-cpp-python's own prefix match would keep every common token, the last reply's
+included, and feed the rest in pieces from there.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from localrun.backends.base import (
     Session,
     check_options,
 )
+from localrun.backends.llama_cpp_batch import common_prefix, reusable_prefix
 from localrun.backends.llama_cpp_kv import KV_TYPES
 from localrun.errors import EngineNotInstalledError, LocalrunError, ModelFileError
 from localrun.formats.gguf import GGUFInfo, read_gguf
@@ -199,6 +208,10 @@ class LlamaCppSession(Session):
         except (ValueError, RuntimeError) as e:
             raise ModelFileError(request.path, f"llama.cpp could not load it ({e})") from e
         temperature_first(self._llm, llama_cpp)
+        #: prompt tokens at the start of the context whose cells were computed as that
+        #: prompt fed whole computes them (the last call's prompt; not its reply)
+        self._prompt_cells = 0
+        self._piece_size = _prompt_piece(llama_cpp, self._llm)
         self._vocab = self._llm._model.vocab
         # llama-cpp-python's token_to_piece returns its whole 32-byte buffer, NULs and
         # all; we call the C function ourselves and keep each token's bytes.
@@ -287,6 +300,7 @@ class LlamaCppSession(Session):
         # goes in as 0, so that every seed localrun takes repeats its sample
         llm.set_seed(sampling.seed % lc.LLAMA_DEFAULT_SEED)
         lc.llama_perf_context_reset(self._ctx_ptr)
+        self._keep_cells(prompt.tokens)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         to_piece = self._piece
         is_eog = lc.llama_vocab_is_eog
@@ -307,6 +321,8 @@ class LlamaCppSession(Session):
         )
         try:
             for n, token in enumerate(tokens, 1):
+                if n == 1:  # the whole prompt has its cells now
+                    self._prompt_cells = len(prompt.tokens)
                 if is_eog(vocab, token):
                     stats.finish_reason = "stop"
                     break
@@ -330,10 +346,58 @@ class LlamaCppSession(Session):
             stats.decode_tokens = int(perf.n_eval)
             stats.decode_seconds = perf.t_eval_ms / 1000.0
 
+    def _keep_cells(self, tokens: Sequence[int]) -> None:
+        """Keep the cells of the last prompt that this prompt may keep, feed what
+        ``Llama.generate`` would feed in pieces that do not start where a whole-prompt
+        feed's pieces (ubatches) start, and leave it only the rest to feed.
+
+        ``reusable_prefix`` says how many: a prompt fed whole goes in pieces of
+        ``self._piece_size`` tokens from 0, and the kept cells must end where feeding the
+        rest keeps each token's piece computed by the same kernel. ``Llama.generate``
+        keeps the longest common prefix of its ``input_ids[:n_tokens]`` and feeds the
+        rest in pieces from there; so ``n_tokens`` is set to what is kept (or, after
+        feeding up to the next piece boundary here, to that boundary): it cannot keep
+        more. When that feeds the whole prompt, ``Llama.generate`` (0.3.32+) samples from
+        the logits of that feed; older ones feed the last token again, so there the kept
+        cells stop at the start of the last piece.
+        """
+        llm = self._llm
+        held = min(self._prompt_cells, int(llm.n_tokens))
+        self._prompt_cells = 0  # until this prompt's cells are all computed
+        n, size = len(tokens), self._piece_size
+        keep = end = 0
+        if held and size:
+            cells = llm.input_ids[:held].tolist()
+            keep = reusable_prefix(n, common_prefix(cells, tokens), size, held)
+            end = min(keep - keep % size + size, n)
+            if end == n and keep % size and not hasattr(llm, "_requires_eval"):
+                keep -= keep % size
+            if keep and not (self._window_holds(keep)
+                             and llm._ctx.kv_cache_seq_rm(-1, keep, -1)):
+                keep = 0
+        llm.n_tokens = keep
+        if keep % max(size, 1):
+            llm.eval(tokens[keep:end])
+
+    def _window_holds(self, keep: int) -> bool:
+        """Whether the cells a token at position ``keep`` attends to are still there: a
+        sliding-window cache (Gemma) drops those more than the window behind the last
+        token it decoded (llama-server's check)."""
+        lc = self._lc
+        if not hasattr(lc, "llama_memory_seq_pos_min"):  # before 0.3.10: no way to ask
+            return True
+        n_swa = int(lc.llama_model_n_swa(self._llm._model.model))
+        if n_swa <= 0:
+            return True
+        first = int(lc.llama_memory_seq_pos_min(lc.llama_get_memory(self._ctx_ptr), 0))
+        return first <= max(0, keep - n_swa)
+
     # -- several sequences at once (localrun.backends.llama_cpp_batch) -----------------
 
-    #: a lone sequence runs through generate(): the batcher's context holds capacity x
-    #: this one's KV cache, built only once sequences overlap (llama_cpp_batch)
+    #: False until the batcher is built (on the first overlap, or when a server asks
+    #: Model.max_concurrency): its context holds capacity x this one's KV cache. Then
+    #: True: a lone sequence runs through the batcher too, so that sequences arriving
+    #: while it runs join it there instead of waiting for it to end.
     batch_alone = False
 
     def batcher(self) -> Batcher | None:
@@ -342,6 +406,7 @@ class LlamaCppSession(Session):
             from localrun.backends.llama_cpp_batch import make_batcher
 
             batcher = self._batcher = make_batcher(self)
+            self.batch_alone = batcher is not None
         return batcher
 
     def close(self) -> None:
@@ -349,10 +414,22 @@ class LlamaCppSession(Session):
         if batcher is not None:  # its context goes before the model it runs on
             batcher.close()
             self._batcher = None
+            self.batch_alone = False
         llm = getattr(self, "_llm", None)
         if llm is not None:
             llm.close()
             self._llm = None  # type: ignore[assignment]
+
+
+def _prompt_piece(lc: Any, llm: Any) -> int:
+    """Tokens llama.cpp computes a prompt in at once (a ubatch), where ``Llama.eval``'s
+    pieces (``n_batch`` tokens) are whole ubatches; 0 means keep no cells between calls:
+    a recurrent or hybrid model's state cannot be cut back to a prefix, and pieces
+    that end mid-ubatch would shift every ubatch after a kept prefix."""
+    if getattr(llm, "_is_recurrent", False) or getattr(llm, "_is_hybrid", False):
+        return 0
+    n_batch, n_ubatch = int(llm.n_batch), int(lc.llama_n_ubatch(llm._ctx.ctx))
+    return n_ubatch if n_ubatch > 0 and n_batch % n_ubatch == 0 else 0
 
 
 def temperature_first(llm: Any, lc: Any) -> None:
