@@ -177,8 +177,17 @@ class Model:
     def max_concurrency(self) -> int:
         """Sequences this model runs at once, together in its engine's batch (calls from
         several threads, a :meth:`batch`); 1 when the engine runs one at a time. The
-        first ask builds the engine's batcher (OpenVINO's is a second pipeline)."""
+        first ask builds the engine's batcher (llama.cpp's is a second context)."""
         return self._driver.capacity()
+
+    @property
+    def batch_reserved_bytes(self) -> int | None:
+        """Memory (bytes) the engine's batcher holds beyond the model's own (weights and
+        one KV cache) to run :attr:`max_concurrency` sequences at once: llama.cpp's batch
+        context; 0 when they share the model's KV cache (OpenVINO GenAI, ExLlama) or run
+        on a server; None when each sequence's KV cache grows with it (MLX). Asking
+        builds the batcher, as for :attr:`max_concurrency`."""
+        return self._driver.batch_reserved_bytes()
 
     def count_tokens(self, text: str) -> int:
         """Tokens of raw text for this model's tokenizer."""

@@ -5,14 +5,17 @@ streamed requests of 16 tokens per server.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import json
+import shutil
 import threading
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -97,12 +100,17 @@ def _ps(s: Running) -> dict[str, Any]:
     return dict(entry)
 
 
+def _batches_alone(model: Any) -> None:
+    """The engine batches at least N, and once its batcher is built (the server asks
+    for max_concurrency) a sequence that arrives alone runs through it too: one that ran
+    through the single-sequence path would hold the engine to its end while the requests
+    arriving meanwhile wait (llama.cpp's did before issue 15)."""
+    assert model.max_concurrency >= N
+    assert model._session.batch_alone, model.info.backend
+
+
 def test_parallel_requests_run_together_in_the_engines_batch(model: Any) -> None:
-    if not model._session.batch_alone:
-        pytest.skip(f"{model.info.backend} runs a sequence that arrives alone through its "
-                    "single-sequence path to the end (Session.batch_alone is False): the "
-                    "requests that arrive meanwhile wait for it, then run together")
-    assert model.max_concurrency >= N  # the engine batches at least N
+    _batches_alone(model)
     with serve(ServerConfig(parallel=N, max_queue=0), preload={"m": model}) as s:
         assert _ps(s)["parallel"] == N
         spans = _spans(s, N)  # max_queue 0: all N in at once, or some would get 429
@@ -122,6 +130,50 @@ def test_parallel_requests_run_together_in_the_engines_batch(model: Any) -> None
         assert first > last - 0.1 * (last - prev_first), spans
 
 
+def test_a_request_arriving_mid_stream_starts_before_that_one_ends(model: Any) -> None:
+    """A long generation that arrived alone does not hold the engine to its end: a
+    request that arrives while it streams gets its first token before the long one's
+    last (both through the engine's batch)."""
+    _batches_alone(model)
+    long, short = 256, 4
+    streaming = threading.Event()
+    spans: list[Any] = [None, None]
+
+    def one(url: str, i: int, tokens: int, first: threading.Event | None) -> None:
+        body = json.dumps({"model": "m", "prompt": COUNTING, "raw": True, "stream": True,
+                           "options": {"num_predict": tokens, "temperature": 0}}).encode()
+        times: list[float] = []
+        try:
+            req = urllib.request.Request(url + "/api/generate", data=body, method="POST")
+            with urllib.request.urlopen(req, timeout=WAIT) as r:
+                for line in r:
+                    part = json.loads(line)
+                    if part.get("response"):
+                        times.append(_seconds(part["created_at"]))
+                        if first is not None:
+                            first.set()
+                    if part.get("done"):
+                        spans[i] = (times[0], times[-1], len(times), part.get("eval_count"))
+        except Exception as e:  # asserted below, with what it was
+            spans[i] = repr(e)
+        finally:
+            if first is not None:
+                first.set()
+
+    with serve(ServerConfig(parallel=N), preload={"m": model}) as s:
+        first = threading.Thread(target=one, args=(s.url, 0, long, streaming))
+        first.start()
+        assert streaming.wait(WAIT)
+        second = threading.Thread(target=one, args=(s.url, 1, short, None))
+        second.start()
+        second.join(WAIT * 2)
+        first.join(WAIT * 2)
+    assert all(isinstance(x, tuple) for x in spans), spans
+    (first_a, last_a, _, count_a), (first_b, _, _, count_b) = spans
+    assert count_a == long and count_b == short, spans  # COUNTING runs to the limit
+    assert first_a < first_b < last_a, spans
+
+
 def test_default_parallel_is_the_engines_capacity_at_most_4_on_the_cpu(model: Any) -> None:
     from localrun.cli.serve import banner
     from localrun.server.manager import DEFAULT_PARALLEL_CPU
@@ -138,25 +190,84 @@ def test_default_parallel_is_the_engines_capacity_at_most_4_on_the_cpu(model: An
     assert f"context {model.info.context_length} · {want} requests at once" in text
 
 
+@contextlib.contextmanager
+def _load_on_request(config: ServerConfig, path: str) -> Iterator[tuple[dict[str, Any], Any]]:
+    """Serve ``config`` and load ``path`` as a request would (Ollama's way: /api/generate
+    with no prompt): its /api/ps entry and the Model the server loaded, until the block
+    ends."""
+    with serve(config) as s:
+        status, _, body = request("POST", s.url + "/api/generate", {"model": path})
+        assert status == 200, body
+        (loaded,) = s.manager.models.values()
+        yield _ps(s), loaded.handle
+
+
 @pytest.mark.skipif(not HAVE_LLAMA, reason="llama-cpp-python is not installed "
                     "(pip install 'localrun[llama-cpp]')")
-def test_memory_counts_a_kv_cache_per_request_at_once() -> None:
-    """A model loaded on request counts its weights, overhead and one KV cache per
-    request it runs at once; what --max-memory cannot hold runs fewer at once."""
-    from localrun.server.manager import _estimate_path
+def test_llama_cpp_counts_the_batch_context_it_builds() -> None:
+    """llama.cpp's batcher is a second context with a KV stream of the whole context
+    per slot of its own (up to 8, whatever --parallel): a model loaded on request counts
+    its weights, overhead and KV cache plus those streams; when --max-memory cannot hold
+    them it is loaded again without a batcher and runs one request at a time."""
+    from localrun.server.manager import _estimate_loaded, estimate_bytes
     from tests.models import test_model
 
     path = str(test_model("gguf-q4_1"))
-    one = _estimate_path(path, 512)
-    assert one is not None and one.kv_cache_bytes > 0
-    kv = one.kv_cache_bytes
     base = ServerConfig(context=512, keep_alive=None, parallel=N)
-    sizes = {}
-    for max_memory in (None, one.total_bytes + kv + kv // 2):  # room for 2 at once, not 4
-        with serve(replace(base, max_memory=max_memory)) as s:
-            status, _, body = request("POST", s.url + "/api/generate", {"model": path})
-            assert status == 200, body  # Ollama's way to load a model
-            ps = _ps(s)
-        assert ps["size"] == one.total_bytes + (ps["parallel"] - 1) * kv
-        sizes[max_memory] = ps["parallel"]
-    assert sizes == {None: N, one.total_bytes + kv + kv // 2: 2}
+    need = estimate_bytes(path, None, base)  # weights, overhead, one KV cache
+    with _load_on_request(base, path) as (ps, handle):
+        est = _estimate_loaded(handle.info, None)
+        streams = handle.max_concurrency  # its batch context's KV streams
+        reserved = handle.batch_reserved_bytes
+    assert need and est is not None and est.kv_cache_bytes > 0
+    assert ps["parallel"] == N < streams  # runs N at once, holds a stream for each of 8
+    assert reserved == streams * est.kv_cache_bytes  # each the session's whole context
+    assert ps["size"] == need + reserved
+
+    with _load_on_request(replace(base, max_memory=ps["size"] - 1), path) as (ps, handle):
+        assert getattr(handle._session, "_batcher", None) is None  # no batch context
+    assert ps["parallel"] == 1 and ps["size"] == need
+
+
+@pytest.mark.skipif(importlib.util.find_spec("openvino_genai") is None,
+                    reason="openvino-genai is not installed (pip install 'localrun[openvino]')")
+def test_openvino_counts_one_kv_cache_whatever_runs_at_once(tmp_path: Path) -> None:
+    """OpenVINO GenAI runs every sequence through the session's one pipeline, whose
+    paged KV cache is one context's worth of blocks: requests at once share it, so a
+    --max-memory that holds the model and one KV cache lets all N run."""
+    from localrun.server.manager import _estimate_path, estimate_bytes
+    from tests.models import test_model
+
+    # the IR with the model's config.json beside it, as OpenVINO's repos ship it (the
+    # fixture's GGUF export has none: its KV cache would count as unknown, 0 bytes)
+    for f in test_model("openvino-int4").iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    shutil.copy(test_model("hf") / "config.json", tmp_path)
+    path = str(tmp_path)
+    config = ServerConfig(context=512, keep_alive=None, parallel=N)
+    need = estimate_bytes(path, None, config)  # weights, overhead, one KV cache
+    one = _estimate_path(path, 512, "openvino", "CPU")
+    assert need and one is not None and need == one.total_bytes and one.kv_cache_bytes > 0
+    with _load_on_request(replace(config, max_memory=need), path) as (ps, handle):
+        assert handle.info.backend == "openvino" and handle.batch_reserved_bytes == 0
+    assert ps["parallel"] == N and ps["size"] == need
+
+
+@pytest.mark.skipif(not HAVE_LLAMA, reason="llama-cpp-python is not installed "
+                    "(pip install 'localrun[llama-cpp]')")
+def test_a_model_named_at_start_drops_a_batch_context_memory_cannot_hold() -> None:
+    """The same for a model named on the command line (loaded before serving)."""
+    from localrun.server.manager import ModelManager, estimate_bytes
+    from localrun.server.metrics import Metrics
+    from tests.models import test_model
+
+    path = str(test_model("gguf-q4_1"))
+    config = ServerConfig(context=512, keep_alive=None, parallel=N)
+    need = estimate_bytes(path, None, config)
+    assert need
+    (m,) = ModelManager(replace(config, max_memory=need), Metrics()).preload((path,))
+    try:
+        assert getattr(m.handle._session, "_batcher", None) is None  # no batch context
+        assert m.slots == 1 and m.size == need
+    finally:
+        m.handle.close()

@@ -63,6 +63,11 @@ class Batcher(ABC):
 
     #: most sequences the engine wants in flight at once (the scheduler admits no more)
     capacity: int
+    #: Memory (bytes) the batcher holds beyond the session's own (weights, overhead, one
+    #: KV cache), whatever the sequences in flight: 0 when they share the session's KV
+    #: cache or run elsewhere (a server). None: not fixed, each sequence's KV cache
+    #: grows with it (counted as one more KV cache per sequence beyond the first).
+    reserved_bytes: int | None = None
 
     @abstractmethod
     def add(self, key: int, prompt: Prompt, sampling: ResolvedSampling,

@@ -205,6 +205,7 @@ class LlamaCppBatcher(Batcher):
         self._session = session
         self.capacity = capacity
         self.n_ctx_seq = n_ctx_seq
+        self.reserved_bytes = capacity * n_ctx_seq * kv_bytes_per_token(session)  # its KV
         params = lc.llama_context_params.from_buffer_copy(llm.context_params)
         params.n_seq_max = capacity
         params.n_ctx = capacity * n_ctx_seq

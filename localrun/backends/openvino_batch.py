@@ -166,6 +166,9 @@ class ContinuousBatcher(Batcher):
     """The session's ContinuousBatchingPipeline, stepped by the driver's engine thread."""
 
     capacity = CAPACITY
+    #: the session's own pipeline: its sequences share the one KV cache it was opened
+    #: with (kv_blocks), which the session's memory already counts
+    reserved_bytes = 0
 
     def __init__(self, pipe: Any, *, eos: frozenset[int], decode_many: DecodeMany,
                  config: Callable[[ResolvedSampling], Any]) -> None:

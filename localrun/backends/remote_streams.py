@@ -88,6 +88,7 @@ class RequestBatcher(Batcher):
     and what its thread reads afterwards is dropped."""
 
     capacity = REMOTE_CAPACITY
+    reserved_bytes = 0  # the sequences' KV caches are the server's, not this process's
 
     def __init__(self, generate: Generate, backend: str) -> None:
         self._generate = generate

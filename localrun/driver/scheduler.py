@@ -221,6 +221,12 @@ class Driver:
         batcher = self._batcher if self._batching() else None
         return batcher.capacity if batcher is not None else 1
 
+    def batch_reserved_bytes(self) -> int | None:
+        """The batcher's :attr:`~localrun.backends.base.Batcher.reserved_bytes` (asking
+        the session for it the first time); 0 when the session runs one at a time."""
+        batcher = self._batcher if self._batching() else None
+        return batcher.reserved_bytes if batcher is not None else 0
+
     def count_tokens(self, text: str) -> int:
         with self.exclusive() as session:
             return session.count_tokens(text)

@@ -5,9 +5,11 @@ Any name localrun accepts loads on its first request (plan → fit check → fet
 whose engine batches (``Model.max_concurrency`` > 1) runs up to ``--parallel`` requests
 at once, together in its engine's batch; any other runs one at a time. At most
 ``max_queue`` more wait, and the next one gets 429 with ``Retry-After``. A model counts
-as its weights, overhead and one KV cache per slot; idle models unload after their
-keep-alive, and when a model about to load would not fit, idle models go first, least
-recently used first.
+as its weights, overhead and one KV cache, plus what its engine's batcher holds beyond
+that to run several at once (``Model.batch_reserved_bytes``: llama.cpp's batch context;
+nothing where the sequences share the model's KV cache; where it is not fixed, one more
+KV cache per slot). Idle models unload after their keep-alive, and when a model about
+to load would not fit, idle models go first, least recently used first.
 
 All bookkeeping happens on the event loop thread; engines load, run and close in
 worker threads.
@@ -56,7 +58,7 @@ class Loaded:
     context: int | None  # the context asked for (None: the model's default)
     handle: Any
     info: ModelInfo
-    size: int  # bytes it is counted as (estimate: weights + overhead + KV cache × slots)
+    size: int  # bytes it is counted as (estimate, see _footprint)
     pinned: bool  # named on the command line: no keep-alive expiry
     keep_alive: float | None
     load_seconds: float
@@ -146,10 +148,13 @@ class ModelManager:
         ``load(name)`` is the CLI's loader (download progress on the terminal)."""
         out = []
         for name in names:
+            def again(name: str = name) -> Any:
+                return load(name) if load else self._loader(name, self.config, None)
+
             t0 = time.monotonic()
-            handle = load(name) if load else self._loader(name, self.config, None)
+            handle = again()
             out.append(self._register(name, "chat", None, handle, time.monotonic() - t0,
-                                      pinned=True, size=None))
+                                      pinned=True, size=None, reload=again))
         return out
 
     # -- using a model ----------------------------------------------------------------
@@ -247,31 +252,44 @@ class ModelManager:
             seconds = time.monotonic() - t0
             try:
                 est = await asyncio.to_thread(_estimate_loaded, handle.info, context)
-                slots = await asyncio.to_thread(self._slots, name, kind, handle)
-                slots = await self._room_for_slots(name, need, est, slots)
+                want = await asyncio.to_thread(self._slots, name, kind, handle)
+                reserved = await asyncio.to_thread(_reserved, handle, want)
+                slots = await self._room_for_slots(name, need, est, want, reserved)
+                if slots < want and reserved:  # a batcher memory cannot hold: drop it
+                    await asyncio.to_thread(handle.close)
+                    handle = await asyncio.to_thread(loader, name, self.config, context)
+                    reserved = 0
             except BaseException:
                 await asyncio.to_thread(handle.close)
                 raise
             return self._register(name, kind, context, handle, seconds, pinned=False,
-                                  size=need, slots=slots, estimate=est)
+                                  size=need, slots=slots, estimate=est, reserved=reserved)
 
     def _register(self, name: str, kind: Kind, context: int | None, handle: Any,
                   seconds: float, *, pinned: bool, size: int | None,
-                  slots: int | None = None, estimate: MemoryEstimate | None = None
+                  slots: int | None = None, estimate: MemoryEstimate | None = None,
+                  reserved: int | None = None, reload: Callable[[], Any] | None = None
                   ) -> Loaded:
         """Make a loaded ``handle`` servable. ``size``: its estimate for one sequence
-        (None: from its files); ``slots`` None: decided here, as many as ``--parallel``
-        asks and memory holds beside the models loaded (none unload: this is for the
-        models named on the command line, before serving)."""
-        info: ModelInfo = handle.info
-        est = estimate or _estimate_loaded(info, context)
+        (None: from its files); ``reserved``: what its batcher holds beyond that (see
+        :func:`_footprint`). ``slots`` None: decided here, as many as ``--parallel`` asks
+        and memory holds beside the models loaded (none unload: this is for the models
+        named on the command line, before serving); a batcher memory cannot hold goes
+        with ``reload()`` (the model loaded again), which then runs one at a time."""
+        est = estimate or _estimate_loaded(handle.info, context)
         if size is None:
             size = est.total_bytes if est is not None else 0
         kv = est.kv_cache_bytes if est is not None else 0
         if slots is None:
-            slots = self._most_slots(name, size, kv, self._slots(name, kind, handle), 0)
+            want = self._slots(name, kind, handle)
+            reserved = _reserved(handle, want)
+            slots = self._most_slots(name, size, kv, want, reserved, 0)
+            if slots < want and reserved and reload is not None:
+                handle.close()
+                handle, reserved = reload(), 0
+        info: ModelInfo = handle.info
         m = Loaded(name=name, kind=kind, context=context, handle=handle, info=info,
-                   size=size + (slots - 1) * kv, pinned=pinned,
+                   size=_footprint(size, kv, slots, reserved), pinned=pinned,
                    keep_alive=self.config.keep_alive, load_seconds=seconds, slots=slots)
         self.models[m.key] = m
         self.metrics.models_loaded.set(len(self.models))
@@ -285,7 +303,7 @@ class ModelManager:
         :data:`DEFAULT_PARALLEL_CPU` on the CPU, the engine's capacity elsewhere), at
         most what its engine batches (``Model.max_concurrency``); 1 for an engine that
         runs one sequence at a time, and for embedders. Asking builds the engine's
-        batcher (OpenVINO's is a second pipeline), so ``--parallel 1`` does not ask."""
+        batcher (llama.cpp's is a second context), so ``--parallel 1`` does not ask."""
         parallel = self.config.parallel
         if kind != "chat" or parallel == 1:
             return 1
@@ -299,32 +317,38 @@ class ModelManager:
             return min(capacity, DEFAULT_PARALLEL_CPU) if on_cpu else capacity
         return min(parallel, capacity)
 
-    async def _room_for_slots(self, name: str, need: int | None,
-                              est: MemoryEstimate | None, slots: int) -> int:
-        """Room for the KV caches of ``slots - 1`` more sequences of a model just loaded
-        (``need`` bytes for one): idle models unload, least recently used first; what
-        memory still cannot hold runs fewer at once."""
+    async def _room_for_slots(self, name: str, need: int | None, est: MemoryEstimate | None,
+                              slots: int, reserved: int | None) -> int:
+        """Room for a model just loaded (``need`` bytes for one sequence) to run
+        ``slots`` at once (:func:`_footprint`): idle models unload, least recently used
+        first; what memory still cannot hold runs fewer at once."""
         kv = est.kv_cache_bytes if est is not None else 0
         base = need if need is not None else (est.total_bytes if est is not None else 0)
+        size, held = _footprint(base, kv, slots, reserved), base + (reserved or 0)
         freed = 0
-        while slots > 1 and kv and not self._fits(base + (slots - 1) * kv, freed, loaded=base):
+        while slots > 1 and not self._fits(size, freed, loaded=held):
             victim = self._lru_idle()
             if victim is None:
                 break
             freed += victim.size
             await self._unload(victim, f"least recently used; {name} runs {slots} requests "
-                               "at once, each with its KV cache")
-        return self._most_slots(name, base, kv, slots, freed)
+                               f"at once in {size / 2**30:.2f} GiB")
+        return self._most_slots(name, base, kv, slots, reserved, freed)
 
-    def _most_slots(self, name: str, base: int, kv: int, slots: int, freed: int) -> int:
-        """The most of ``slots`` whose KV caches (``kv`` bytes each) fit beside the model
-        (``base`` bytes, loaded) and the others."""
+    def _most_slots(self, name: str, base: int, kv: int, slots: int, reserved: int | None,
+                    freed: int) -> int:
+        """The most of ``slots`` a model (``base`` bytes for one sequence, loaded, and
+        ``reserved`` held by its batcher) runs at once beside the others
+        (:func:`_footprint`); 1 where what its batcher holds does not fit."""
+        held = base + (reserved or 0)  # in memory already
         fit = slots
-        while fit > 1 and kv and not self._fits(base + (fit - 1) * kv, freed, loaded=base):
+        while fit > 1 and not self._fits(_footprint(base, kv, fit, reserved), freed,
+                                         loaded=held):
             fit -= 1
         if fit < slots:
-            log.warning("%s runs %d requests at once, not %d: memory holds no more KV "
-                        "caches of %.2f GiB", name, fit, slots, kv / 2**30)
+            log.warning("%s runs %d requests at once, not %d: memory cannot hold the "
+                        "%.2f GiB that takes", name, fit, slots,
+                        _footprint(base, kv, slots, reserved) / 2**30)
         return fit
 
     def _fits(self, need: int, freed: int, *, loaded: int = 0) -> bool:
@@ -473,6 +497,24 @@ def _refuse_embedding_model(name: str, config: ServerConfig) -> None:
                        code="model_not_generative")
 
 
+def _footprint(base: int, kv: int, slots: int, reserved: int | None) -> int:
+    """Bytes a model runs ``slots`` sequences at once in: ``base`` (weights, overhead,
+    one KV cache) plus what its batcher holds beyond that (``reserved``: llama.cpp's
+    batch context, a KV cache per slot of its own; 0 where the sequences share the
+    model's KV cache), or where that is not fixed (None: MLX, each sequence's cache
+    growing with it), one KV cache of ``kv`` bytes per sequence beyond the first."""
+    return base + (reserved if reserved is not None else (slots - 1) * kv)
+
+
+def _reserved(handle: Any, slots: int) -> int | None:
+    """What the batcher of a model running ``slots`` at once holds beyond the model's
+    own memory; 0 at one slot (none was asked for)."""
+    if slots == 1:
+        return 0
+    reserved: int | None = handle.batch_reserved_bytes
+    return reserved
+
+
 def _available_ram() -> int:
     from localrun.memory import available_ram_bytes
 
@@ -495,7 +537,7 @@ def estimate_bytes(name: str, context: int | None, config: ServerConfig) -> int 
     except Exception:
         return None
     if target is not None:
-        est = _estimate_path(target.path, ctx)
+        est = _estimate_path(target.path, ctx, target.backend, target.device)
         return est.total_bytes if est is not None else None
     try:
         from localrun.planning import plan_fetch
@@ -509,10 +551,14 @@ def estimate_bytes(name: str, context: int | None, config: ServerConfig) -> int 
 
 def _estimate_loaded(info: ModelInfo, context: int | None) -> MemoryEstimate | None:
     """A loaded model's memory, at the context it was loaded with."""
-    return _estimate_path(info.path, info.context_length or context)
+    return _estimate_path(info.path, info.context_length or context, info.backend,
+                          info.device)
 
 
-def _estimate_path(path: str, context: int | None) -> MemoryEstimate | None:
+def _estimate_path(path: str, context: int | None, backend: str | None = None,
+                   device: str | None = None) -> MemoryEstimate | None:
+    """The memory of the model at ``path`` on ``backend`` (on ``device``): its KV cache
+    in the element size that engine allocates there, and its overhead."""
     from localrun.memory import (
         context_window,
         estimate,
@@ -538,5 +584,5 @@ def _estimate_path(path: str, context: int | None) -> MemoryEstimate | None:
     except (OSError, ValueError, LocalrunError):
         return None
     ctx = context_window(context, shape.trained_context if shape else None)
-    return estimate(weights, shape, ctx)
+    return estimate(weights, shape, ctx, backend=backend, device=device)
 

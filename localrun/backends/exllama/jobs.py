@@ -85,6 +85,9 @@ class JobBatcher(Batcher):
     with the same serial: still one sequence.
     """
 
+    #: the jobs share the pages of the cache the session allocated at load
+    reserved_bytes = 0
+
     def __init__(self, generator: Any, make_job: MakeJob, engine: str = "",
                  capacity: int | None = None) -> None:
         self.generator = generator
