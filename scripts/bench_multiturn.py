@@ -9,8 +9,14 @@ Two measurements per engine, through ``localrun`` (``Model.stream``, greedy):
 * **shared system prompt** — two calls with the same ``--system-tokens``-token system
   prompt and different questions. Target: the second call's TTFT <= 25% of the first's.
 
+``--think SECONDS`` pauses that long between a reply and the next call (a user reading
+the reply, an agent running a tool); the default, 0, asks back to back. TTFT then leaves
+out what localrun does during the pause (ONNX Runtime GenAI settles the previous reply's
+KV rows then: localrun/backends/onnx_genai.py), as a user who paused would see it.
+
     .venv/bin/python scripts/bench_multiturn.py                       # every CPU engine
     .venv/bin/python scripts/bench_multiturn.py --backends onnx --reply 32
+    .venv/bin/python scripts/bench_multiturn.py --backends onnx --think 1
     .venv/bin/python scripts/bench_multiturn.py --json docs/results/multiturn.json
 
 Models: the fixtures of scripts/make_test_models.py (llama.cpp: the Q8_0 GGUF).
@@ -54,10 +60,11 @@ def ask(model: Any, messages: list[dict[str, str]], max_tokens: int) -> tuple[st
     return c.text, c.usage.prompt_tokens, c.timings.ttft
 
 
-def multi_turn(model: Any, reply: int) -> list[tuple[int, float]]:
+def multi_turn(model: Any, reply: int, think: float) -> list[tuple[int, float]]:
     messages = [{"role": "system", "content": SYSTEM}]
     rows = []
     for turn in TURNS:
+        time.sleep(think)  # after the warm-up's reply, then after each turn's
         messages.append({"role": "user", "content": turn})
         text, n, ttft = ask(model, messages, reply)
         messages.append({"role": "assistant", "content": text})
@@ -65,18 +72,21 @@ def multi_turn(model: Any, reply: int) -> list[tuple[int, float]]:
     return rows
 
 
-def shared_system(model: Any, n_tokens: int) -> tuple[int, float, float]:
+def shared_system(model: Any, n_tokens: int, think: float) -> tuple[int, float, float]:
     from localrun.bench import exact_prompt
 
     system = exact_prompt(model.count_tokens, n_tokens, seed=int(time.time()))
+    time.sleep(think)
     _, n, first = ask(model, [{"role": "system", "content": system},
                               {"role": "user", "content": "Summarise the text above."}], 8)
+    time.sleep(think)
     _, _, second = ask(model, [{"role": "system", "content": system},
                                {"role": "user", "content": "Which word comes first?"}], 8)
     return n, first, second
 
 
-def bench(backend: str, reply: int, system_tokens: int) -> dict[str, Any] | None:
+def bench(backend: str, reply: int, system_tokens: int, think: float
+          ) -> dict[str, Any] | None:
     import localrun
     from localrun.backends import is_installed
 
@@ -92,14 +102,14 @@ def bench(backend: str, reply: int, system_tokens: int) -> dict[str, Any] | None
         model = localrun.load(path, backend=backend, context=4096)
     with model:
         ask(model, [{"role": "user", "content": "Hello."}], 4)  # warm-up
-        turns = multi_turn(model, reply)
-        n, first, second = shared_system(model, system_tokens)
+        turns = multi_turn(model, reply, think)
+        n, first, second = shared_system(model, system_tokens, think)
     cells = " | ".join(f"{p} : {t * 1000:.0f} ms" for p, t in turns)
     ratio = turns[-1][1] / turns[1][1] if turns[1][1] else float("inf")
     print(f"| {backend} {Path(path).name} | {cells} | {ratio:.2f} |", flush=True)
     print(f"{backend:10} shared {n}-token system prompt: first {first * 1000:.0f} ms, "
           f"second {second * 1000:.0f} ms ({second / first:.0%})", flush=True)
-    return {"backend": backend, "model": Path(path).name,
+    return {"backend": backend, "model": Path(path).name, "reply": reply, "think": think,
             "turns": [{"prompt_tokens": p, "ttft": t} for p, t in turns],
             "turn6_over_turn2": ratio,
             "shared_system": {"prompt_tokens": n, "first_ttft": first, "second_ttft": second,
@@ -111,13 +121,19 @@ def main() -> None:
     ap.add_argument("--backends", nargs="*", default=list(FIXTURES), choices=list(FIXTURES))
     ap.add_argument("--reply", type=int, default=96, help="greedy tokens per reply")
     ap.add_argument("--system-tokens", type=int, default=1500)
+    ap.add_argument("--think", type=float, default=0.0, metavar="SECONDS",
+                    help="pause between a reply and the next call (a user reading it, an "
+                    "agent running a tool; default 0: back to back); TTFT then excludes "
+                    "work localrun does during the pause")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
-    print(f"load average {os.getloadavg()[0]:.1f}; {args.reply} greedy tokens a reply")
+    print(f"load average {os.getloadavg()[0]:.1f}; {args.reply} greedy tokens a reply; "
+          f"{args.think:g} s between a reply and the next call")
     print("| engine | " + " | ".join(f"turn {i + 1}" for i in range(len(TURNS)))
           + " | turn 6 / turn 2 |")
     print("|---" * (len(TURNS) + 2) + "|")
-    results = [r for b in args.backends if (r := bench(b, args.reply, args.system_tokens))]
+    results = [r for b in args.backends
+               if (r := bench(b, args.reply, args.system_tokens, args.think))]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
 

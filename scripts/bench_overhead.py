@@ -207,6 +207,12 @@ def via_localrun(model: Any, sampling: dict[str, Any]) -> Callable[[str, int], T
                     last = time.perf_counter()
                     if not first:
                         first = last
+        # ONNX Runtime GenAI recomputes a finished reply's KV rows in the background (its
+        # "settling", onnx_genai's docstring), wasted here (every run has a new prompt):
+        # wait for it, so that it does not run while the engine's own path is timed
+        settled = getattr(model._session, "_settled", None)
+        if settled is not None:
+            settled.wait(60)
         # Chunks are text pieces; the token count is the Completion's.
         return Timing(first - t0, last - first, stream.completion.usage.completion_tokens)
 

@@ -112,9 +112,12 @@ def long_text(session: Any, n: int, seed: int = 0) -> list[int]:
 # -- what is prefilled ------------------------------------------------------------------
 
 
-def test_a_turn_prefills_only_what_the_conversation_adds(session: Any) -> None:
+def test_a_turn_prefills_only_what_the_conversation_adds(session: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Turn 2 runs the previous reply and the new message, not the system prompt and
-    turn 1 again (before the Generator was kept: the whole prompt, every turn)."""
+    turn 1 again (before the Generator was kept: the whole prompt, every turn). No
+    settling here (it would reuse the reply's rows too, when it had the time)."""
+    monkeypatch.setattr(session, "_settle_delay", None)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]
     first = chat(session, messages)
     reply, stats1 = run(session, first, sampling(16))
@@ -279,6 +282,153 @@ def test_close_frees_the_kept_generator(path: str) -> None:
     assert s._gen is None and s._model is None
 
 
+# -- settling: the previous reply's rows recomputed as a prefill between calls -------------
+
+
+def load(path: str) -> Any:
+    from localrun.backends.base import LoadRequest
+    from localrun.backends.onnx_genai import BACKEND
+
+    return BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
+def test_settled_reply_rows_are_reused_and_the_replies_stay_fresh(path: str,
+                                                                   engine: Any) -> None:
+    """A conversation with replies of up to 150 tokens (over the 128-row tiles): once a
+    reply's rows are settled (the test waits for it, as a user reading the reply does),
+    the next turn prefills only what comes after the reply, and every reply is the one
+    a fresh generator gives (before settling: each turn prefilled the previous reply)."""
+    s = load(path)
+    try:
+        messages = [{"role": "system", "content": SYSTEM}]
+        asks = ["Write a long story about a lighthouse keeper.", "Continue the story.",
+                "Now tell me about the sea near the lighthouse.", "Say hello."]
+        held: list[int] = []  # the previous prompt + reply tokens
+        replies = []
+        for i, ask in enumerate(asks):
+            messages.append({"role": "user", "content": ask})
+            prompt = chat(s, messages)
+            tokens = list(prompt.tokens)
+            text, stats = run(s, prompt, sampling(150))
+            want = engine(tokens, 150)
+            assert text == text_of(s, want), (i, text, text_of(s, want))
+            if i:
+                shared = common_prefix(held, tokens)
+                assert shared == len(held)  # the reply's ids come back in the next prompt
+                most = len(tokens) - shared + (ROW_TILE if len(tokens) % ROW_TILE == 1 else 2)
+                assert stats.prefill_tokens <= most, (i, stats.prefill_tokens, most)
+                assert stats.prefill_tokens < len(tokens) - len(held) + replies[-1] // 4
+            assert s._settled.wait(60), "the settle did not end"
+            settle = s._last_settle
+            assert settle is not None and not settle.failed
+            assert settle.done == settle.total == len(tokens) + len(want) + (len(want) < 150)
+            held = tokens + want
+            replies.append(len(want))
+            messages.append({"role": "assistant", "content": text})
+        assert sum(replies[:-1]) >= 200 and max(replies) > 100, replies
+    finally:
+        s.close()
+
+
+def slow_settle(monkeypatch: pytest.MonkeyPatch, s: Any) -> None:
+    """Settle at once, in pieces of 2 rows: a 240-token reply takes ~120 pieces."""
+    from localrun.backends import onnx_genai
+
+    monkeypatch.setattr(onnx_genai, "SETTLE_FIRST_ROWS", 2)
+    monkeypatch.setattr(onnx_genai, "SETTLE_MIN_ROWS", 2)
+    monkeypatch.setattr(onnx_genai, "SETTLE_MAX_ROWS", 2)
+    s._settle_delay = 0.0
+
+
+def settling(s: Any) -> Any:
+    """The settle running now, once it has settled a piece."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while (s._last_settle is None or s._last_settle.pieces == 0) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    settle = s._last_settle
+    assert settle is not None and settle.pieces > 0 and settle.thread.is_alive()
+    return settle
+
+
+def test_a_call_during_a_settle_waits_for_one_piece_and_uses_it(
+        path: str, engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call that comes mid-settle stops it after the piece running (not the whole
+    settle), reuses the rows settled so far, and gives the fresh reply."""
+    s = load(path)
+    try:
+        slow_settle(monkeypatch, s)
+        first = long_text(s, 60)
+        reply = engine(first, 240)
+        assert len(reply) == 240
+        text, _ = run(s, Prompt(first), sampling(240))
+        assert text == text_of(s, reply)
+        second = first + reply + long_text(s, 20, seed=9)
+        settle = settling(s)
+        before = settle.done
+        text, stats = run(s, Prompt(second), sampling(12))
+        assert not settle.thread.is_alive()
+        # it ran a few more 2-row pieces at most (a few calls' time), not the 240 rows
+        assert len(first) < settle.done <= before + 12, (before, settle.done, settle.total)
+        assert len(second) - settle.done <= stats.prefill_tokens <= len(second) - settle.done + 1
+        assert text == text_of(s, engine(second, 12))
+    finally:
+        s.close()
+
+
+def test_close_during_a_settle(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = load(path)
+    slow_settle(monkeypatch, s)
+    run(s, Prompt(long_text(s, 60)), sampling(240))
+    settle = settling(s)
+    s.close()
+    assert not settle.thread.is_alive() and not settle.failed
+    assert settle.done < settle.total - 100
+    assert s._gen is None and s._settled.is_set()
+
+
+class FailingSettle:
+    """The kept og.Generator, whose ``append_tokens`` fails off the caller's thread."""
+
+    def __init__(self, gen: Any) -> None:
+        self.gen = gen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.gen, name)
+
+    def append_tokens(self, tokens: Any) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("injected failure")
+        self.gen.append_tokens(tokens)
+
+
+def test_a_failed_settle_raises_nothing_and_the_next_call_starts_cold(path: str,
+                                                                      engine: Any) -> None:
+    s = load(path)
+    try:
+        first = long_text(s, 40)
+        run(s, Prompt(first), sampling(4))
+        s._gen = FailingSettle(s._gen)
+        s._settle_delay = 0.0
+        run(s, Prompt(first), sampling(30))
+        assert s._settled.wait(60) and s._last_settle.failed and s._broken
+        second = long_text(s, 70)
+        text, stats = run(s, Prompt(second), sampling(12))
+        assert stats.prefill_tokens == len(second)  # a new Generator: nothing reused
+        assert not isinstance(s._gen, FailingSettle)
+        assert text == text_of(s, engine(second, 12))
+    finally:
+        s.close()
+
+
 # -- localrun's sampler (no model) --------------------------------------------------------
 
 
@@ -354,3 +504,24 @@ def test_reusable_rows() -> None:
     assert reusable(tokens[:100], tokens[:229]) == 99  # a rest of 129 would end alone
     assert reusable(tokens[:100], tokens[:230]) == 100
     assert reusable(tokens[:100], tokens[:129]) == 0
+
+
+def test_the_settle_option_turns_settling_off(path: str) -> None:
+    """``options={"SETTLE": False}``: no thread recomputes a reply after it ends (the next
+    turn prefills the previous reply again, as before settling); a wrong kind of value
+    is refused with the option's own description."""
+    import time
+
+    from localrun.backends.base import LoadRequest
+    from localrun.backends.onnx_genai import BACKEND, SETTLE_DELAY
+    from localrun.errors import InvalidOptionError
+
+    s = BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT, options={"SETTLE": False}))
+    try:
+        run(s, chat(s, [{"role": "user", "content": TURNS[0]}]), sampling(16))
+        time.sleep(SETTLE_DELAY * 4)
+        assert s._last_settle is None
+    finally:
+        s.close()
+    with pytest.raises(InvalidOptionError, match="SETTLE"):
+        BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT, options={"SETTLE": "maybe"}))

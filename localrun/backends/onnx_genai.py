@@ -18,15 +18,34 @@ engine's own loop, the same tokens). The engine's sampler is never used:
   loop; top_p 0.9 without top_k costs 19 ms through localrun's sampler, 30 ms through
   the engine's (it sorts the vocabulary).
 
-What is reused: the rows of the previous **prompt** only (not the previous reply's,
-whose KV came from one-token decode steps), and only rows that a fresh prefill of the
-new prompt computes bit for bit the same (:func:`reusable`): ONNX Runtime's CPU kernels
-(MLAS) multiply the int4 weights in tiles of :data:`ROW_TILE` prompt rows, and a tile of
-one row takes the single-row kernel, whose sums differ (up to 0.7 logit on
-SmolLM2-135M). So greedy output with reuse is the output without, token for token
-(tests/test_onnx_kv_reuse.py): a turn prefills the previous reply and the new message.
+What is reused: only rows that a fresh prefill of the new prompt computes bit for bit
+the same (:func:`reusable`): ONNX Runtime's CPU kernels (MLAS) multiply the int4 weights
+in tiles of :data:`ROW_TILE` prompt rows, and a tile of one row takes the single-row
+kernel, whose sums differ (up to 0.7 logit on SmolLM2-135M). So greedy output with reuse
+is the output without, token for token (tests/test_onnx_kv_reuse.py).
 ``stats.prefill_tokens`` counts the tokens prefilled. Checked on CPU only (GPU kernels
 may tile otherwise: there the rule is kept, bit-exactness is untested).
+
+* The previous **prompt**'s rows, always.
+* The previous **reply**'s rows once they are *settled*. A reply's rows come from
+  one-token decode steps (the single-row kernel), so they are not reusable as they are.
+  When a call's reply ends (at EOS, a limit, a stop string, a closed or cancelled
+  stream) and the call is still the newest, a thread waits :data:`SETTLE_DELAY` idle,
+  then ``rewind_to``-s the prompt's exact rows and ``append_tokens`` the reply's token
+  ids (its EOS too) in pieces of :data:`SETTLE_MIN_ROWS` to :data:`SETTLE_MAX_ROWS`
+  rows (one tile of 2+ rows each), sized to take about :data:`SETTLE_PIECE_SECONDS`:
+  the rows become those a fresh prefill computes, and the next turn prefills only its
+  new message (a 96-token reply settles in ~0.2-0.5 s on a 2-core CPU; 1 s later, the
+  next turn's TTFT is ~1.0-1.5x turn 2's instead of ~2.7x: docs/results/kv_reuse.md).
+  A new call, ``close()`` or a Generator regrow stops the settle between pieces (waiting
+  for at most the piece running, whose rows it then reuses) and keeps the rows settled
+  so far. A call within the delay (a script's next call, a batch) finds nothing started
+  and prefills the previous reply as before: back-to-back calls cost nothing more. The
+  settle is CPU work (a prefill of the reply, once) done while the caller reads or runs
+  a tool, wasted when the next prompt does not continue the conversation; and
+  ``append_tokens`` holds the GIL, so the process's other Python threads stall for up to
+  a piece at a time (measured: 40-48 ms). A failed settle raises nothing: the next call
+  drops the Generator (a cold prefill). ``SETTLE=False`` (an engine option) turns it off.
 
 One cached prefix per Model: a Generator is one KV cache with no snapshot to go back
 to, so an agent alternating two system prompts prefills each again on every switch
@@ -39,18 +58,10 @@ x head size x 4 bytes (float32 on CPU), 45 KiB a token for SmolLM2-135M. It star
 to the context (SmolLM2-135M at 8192: 360 MiB); growing starts a new, empty Generator.
 ``close()`` frees it.
 
-Batching: none; the driver runs calls one at a time. One Generator with ``batch_size`` >
-1 fixes its rows when it is made (none joins or leaves early), shares one set of search
-options, and needs prompts padded with ``pad_token_id``, which the engine's attention
-mask hides wherever it occurs: SmolLM2's pad is its EOS ``<|im_end|>``, in every chat
-prompt (3 of 4 padded replies differed from the same prompts alone). 0.18's ``og.Engine``
-batches on CPU through its static path: 4 greedy requests started together ran 1.3-2.2x
-the tokens/s of this loop with each session sized to prompt + max_tokens (0.8-1.9x at
-its default, the context); but a request arriving while a batch runs waits until every
-row of it ends, and it shows no logits (no min_p, no llguidance mask; a seed would give
-other text than alone) and keeps no prefix across requests: a Batcher on it would help
-only greedy requests that arrive together. scripts/bench_onnx_batching.py measures it
-(docs/results/kv_reuse.md).
+Batching: none; the driver runs calls one at a time. A Generator with ``batch_size`` > 1
+fixes its rows when made and needs padded prompts (SmolLM2 pads with its EOS, which the
+attention mask hides everywhere); 0.18's ``og.Engine`` batches only requests that start
+together, shows no logits and keeps no prefix: docs/results/kv_reuse.md measures both.
 
 Other engine facts: EOS is ``Tokenizer.eos_token_ids`` plus genai_config /
 generation_config ids (the engine reports no finish reason); stop strings are the
@@ -61,6 +72,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -83,11 +95,11 @@ from localrun.backends.hf_config import (
     token_ids,
 )
 from localrun.backends.logits_sampler import LogitsSampler
+from localrun.backends.onnx_devices import config_device, parse_device, require_build
 from localrun.errors import (
     ChatTemplateError,
     ConstrainedDecodingUnavailableError,
     EngineNotInstalledError,
-    EngineUnavailableError,
     GenerationError,
     LocalrunError,
     ModelFileError,
@@ -100,12 +112,6 @@ from localrun.structured.engines import LazyGrammar
 from localrun.structured.grammar import tokenizer_from_json
 from localrun.types import CancelToken, Message, ModelInfo
 
-#: localrun device names -> ONNX Runtime GenAI execution providers. ``cuda:1`` / ``dml:1``
-#: pick a GPU by index (the provider option ``device_id``).
-PROVIDERS: dict[str, str] = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "dml": "dml",
-                             "directml": "dml"}
-_DEVICE = re.compile(r"^([a-z]+)(?::(\d+))?$")
-
 #: Prompt rows per tile of ONNX Runtime's CPU int4 matmul (MLAS ``StrideM``), counted
 #: from the first row of each ``append_tokens``; a tile of one row takes the single-row
 #: kernel, whose sums differ from a larger tile's (see :func:`reusable`).
@@ -113,6 +119,20 @@ ROW_TILE = 128
 
 #: Tokens the kept Generator's KV buffer holds at first; it doubles when a call needs more.
 KEPT_TOKENS = 1024
+
+#: Seconds a reply's rows wait, idle, before they are settled (module docstring): a call
+#: that comes sooner (a script's next call) finds nothing started, and nothing is wasted.
+SETTLE_DELAY = 0.05
+#: Rows in a settle's first piece. The next pieces are sized to take about
+#: SETTLE_PIECE_SECONDS (a new call waits for the piece running; other Python threads,
+#: since append_tokens holds the GIL), SETTLE_MIN_ROWS to SETTLE_MAX_ROWS rows: a call
+#: costs about 4 rows' time whatever its size (SmolLM2-135M, 2-core CPU: 2 rows 9 ms, 8
+#: rows 22 ms, 32 rows 69 ms), so smaller pieces would mostly pay that. Each piece is
+#: one row tile (less than ROW_TILE) of 2 rows or more, never a tile of one row.
+SETTLE_FIRST_ROWS = 16
+SETTLE_MIN_ROWS = 8
+SETTLE_MAX_ROWS = 32
+SETTLE_PIECE_SECONDS = 0.04
 
 BUILD_HINT = ("re-download the model, or build one: python -m onnxruntime_genai.models.builder "
               "-i MODEL_DIR -o OUT -p int4 -e cpu")
@@ -137,53 +157,6 @@ def _check_files(folder: Path) -> dict[str, Any]:
     return cfg
 
 
-def parse_device(device: str) -> tuple[str, int | None]:
-    """``(provider, GPU index or None)`` for a device string."""
-    m = _DEVICE.match(device.strip().lower())
-    provider = PROVIDERS.get(m.group(1)) if m else None
-    if m is None or provider is None or (provider == "cpu" and m.group(2)):
-        raise LocalrunError(f"Unknown device {device!r} for ONNX Runtime GenAI",
-                            hint="use one of: cpu, cuda, cuda:N, dml, dml:N")
-    return provider, int(m.group(2)) if m.group(2) else None
-
-
-def config_device(genai_config: dict[str, Any]) -> str:
-    """Where genai_config.json runs the model: its first execution provider (and the
-    device_id it names), "cpu" when it names none."""
-    model = genai_config.get("model")
-    decoder = model.get("decoder") if isinstance(model, dict) else None
-    session = decoder.get("session_options") if isinstance(decoder, dict) else None
-    entries = session.get("provider_options") if isinstance(session, dict) else None
-    for entry in entries if isinstance(entries, list) else []:
-        if isinstance(entry, dict) and entry:
-            name, options = next(iter(entry.items()))
-            provider = PROVIDERS.get(str(name).lower(), str(name).lower())
-            index = options.get("device_id") if isinstance(options, dict) else None
-            return f"{provider}:{index}" if index not in (None, "") else provider
-    return "cpu"
-
-
-def require_build(provider: str, device: str) -> None:
-    """Refuse a GPU provider the installed distribution was not built with (the engine's
-    own error would say only that the provider failed), naming what to install."""
-    if provider == "cpu":
-        return
-    from localrun.backends import BACKENDS, installed_build
-
-    spec = BACKENDS["onnx"]
-    needed = next((b for b in spec.builds if b.device == provider), None)
-    have = installed_build("onnx")
-    if needed is None or (have is not None and have.device == provider):
-        return
-    current = have.dist if have is not None else spec.dists[0]
-    raise EngineUnavailableError(
-        "ONNX Runtime GenAI",
-        f"device {device} needs the {needed.dist} build, and {current} is installed"
-        + (" (CPU only)" if have is None else ""),
-        hint=f"pip uninstall -y {current} && pip install 'localrun[{needed.extra}]', "
-        "or load with device='cpu'")
-
-
 class OnnxGenAISession(Session):
     def __init__(self, request: LoadRequest) -> None:
         path = Path(request.path).expanduser()
@@ -201,7 +174,16 @@ class OnnxGenAISession(Session):
         self._gen_tokens = 0  # the tokens its KV buffer holds
         self._cached: Any = _NOTHING  # its reusable rows' tokens (an int32 array)
         self._calls = 0  # generate() calls so far: a stale stream sees a newer one
-        check_options("onnx", request.options)
+        # one thread at a time touches the Generator (a call, or a reply's settle);
+        # re-entrant: a stale stream's cleanup may run inside a call (garbage collection)
+        self._lock = threading.RLock()
+        self._settle: _Settle | None = None  # the settle running now
+        self._last_settle: _Settle | None = None  # the latest one (tests, benchmarks)
+        self._settled = threading.Event()  # set while no settle runs
+        self._settled.set()
+        self._broken = False  # a settle failed: the next call drops the Generator
+        settle = check_options("onnx", request.options).get("SETTLE", True)
+        self._settle_delay: float | None = SETTLE_DELAY if settle else None  # None: off
         if request.device:
             provider, index = parse_device(request.device)
             device = provider + (f":{index}" if index is not None else "")
@@ -306,6 +288,7 @@ class OnnxGenAISession(Session):
         self._gen = None
         self._gen_tokens = 0
         self._cached = _NOTHING
+        self._broken = False
 
     def generate(
         self,
@@ -319,46 +302,55 @@ class OnnxGenAISession(Session):
         limit = sampling.max_tokens  # the driver keeps it within the context
         tokens = np.asarray(prompt.tokens, dtype=np.int32)
         n = int(tokens.shape[0])
-        # the last generated token is chosen, never appended: prompt + limit - 1 rows
-        generator = self._generator(n + limit)
-        self._calls += 1
-        call = self._calls
-        keep = reusable(self._cached, tokens)
+        call = self._take_over()  # the previous reply's settle stops: its rows are exact
+        with self._lock:
+            if self._broken:  # a settle failed: the Generator's state is unknown
+                self._drop_generator()
+            # the last generated token is chosen, never appended: prompt + limit - 1 rows
+            generator = self._generator(n + limit)
+            keep = reusable(self._cached, tokens)
+            self._cached = _NOTHING  # until the prefill below has succeeded
+            t0 = time.perf_counter()
+            try:
+                generator.rewind_to(keep)
+                generator.append_tokens(tokens[keep:])
+            except Exception:
+                self._drop_generator()  # its state is unknown now: the next call makes one
+                raise
+            t1 = time.perf_counter()
+            # the prompt's rows are reusable, less a last row that ran alone in its tile
+            # (a longer prompt's fresh prefill computes it in a larger one)
+            self._cached = tokens if (n - keep) % ROW_TILE != 1 else tokens[:-1]
         sampler = LogitsSampler(sampling, tokens)
         mask = self._grammar.mask(sampling.constraint) if sampling.constraint else None
         decode = self._tok.create_stream().decode
         eos = self._eos
-        t0 = time.perf_counter()
-        self._cached = _NOTHING  # until the prefill below has succeeded
-        try:
-            generator.rewind_to(keep)
-            generator.append_tokens(tokens[keep:])
-        except Exception:
-            self._drop_generator()  # its state is unknown now: the next call makes one
-            raise
-        t1 = time.perf_counter()
-        # the prompt's rows are reusable, less a last row that ran alone in its tile (a
-        # longer prompt's fresh prefill computes it in a larger one)
-        self._cached = tokens if (n - keep) % ROW_TILE != 1 else tokens[:-1]
+        lock = self._lock
         stats.prefill_tokens = n - keep
         stats.prefill_seconds = t1 - t0
         # plain greedy: the kept Generator's own search (greedy, no penalty) picks the
         # token, as the engine's loop does; anything else reads the logits
         engine_picks = sampler.plain and mask is None
         t_first = t_last = 0.0
+        reply: list[int] = []  # the tokens the Generator holds after the prompt
+        healthy = True
         try:
             while True:
-                if engine_picks:
-                    generator.generate_next_token()  # runs the last token, picks the best
-                    token = int(generator.get_next_tokens()[0])
-                else:
-                    scores = generator.get_logits().reshape(-1)  # a copy, ours to change
+                with lock:
+                    self._check_newest(call)
+                    if engine_picks:
+                        generator.generate_next_token()  # runs the last token, picks the best
+                        token = int(generator.get_next_tokens()[0])
+                    else:
+                        scores = generator.get_logits().reshape(-1)  # a copy, ours to change
+                if not engine_picks:
                     if mask is not None:  # first: the filters then see allowed tokens only
                         scores = mask.apply(scores)
                     token = sampler.choose(scores)
                 t_last = time.perf_counter()
                 if not t_first:
                     t_first = t_last
+                reply.append(token)
                 if token in eos:
                     stats.finish_reason = "stop"
                     return
@@ -368,17 +360,18 @@ class OnnxGenAISession(Session):
                 yield decode(token)
                 if stats.completion_tokens >= limit or cancel.cancelled:
                     break
-                if self._calls != call:  # a stream left open while a newer call ran
-                    raise GenerationError("onnx", "a newer call on this model took over its "
-                                          "generator; finish or close a stream before the next")
                 if not engine_picks:
-                    generator.append_tokens(np.array((token,), dtype=np.int32))
+                    with lock:
+                        self._check_newest(call)
+                        generator.append_tokens(np.array((token,), dtype=np.int32))
             stats.finish_reason = "length"
         except LocalrunError:
             raise
         except Exception:
-            if self._calls == call:
-                self._drop_generator()
+            healthy = False
+            with lock:
+                if self._calls == call:
+                    self._drop_generator()
             raise
         finally:
             # the first token's time is the end of prefill: choosing it reads the
@@ -386,12 +379,135 @@ class OnnxGenAISession(Session):
             stats.prefill_seconds += (t_first - t1) if t_first else 0.0
             stats.decode_tokens = max(stats.completion_tokens - 1, 0)
             stats.decode_seconds = t_last - t_first if stats.decode_tokens else 0.0
+            if healthy and reply:
+                self._start_settle(call, generator, tokens, reply)
+
+    def _check_newest(self, call: int) -> None:
+        """Refuse a stream left open while a newer call ran (it took the Generator)."""
+        if self._calls != call:
+            raise GenerationError("onnx", "a newer call on this model took over its "
+                                  "generator; finish or close a stream before the next")
+
+    # -- settling: the reply's rows recomputed as a prefill, off the critical path -------
+
+    def _take_over(self) -> int:
+        """A new call (or close) owns the Generator from now: it stops the settle (which
+        ends after the piece it is running) and waits for it; the rows settled so far
+        stay (each piece is exact). Returns the new call's number."""
+        running = self._settle
+        if running is not None:
+            # before waiting for the lock: the settle then stops at its next check
+            # instead of racing this call for the lock between pieces
+            running.abort.set()
+        with self._lock:
+            self._calls += 1
+            call = self._calls
+            settle, self._settle = self._settle, None
+        if settle is not None:
+            settle.abort.set()
+            if settle.thread is not threading.current_thread():
+                settle.thread.join()
+        return call
+
+    def _start_settle(self, call: int, generator: Any, tokens: Any, reply: list[int]) -> None:
+        """After call ``call``'s reply ends (it is still the newest, its Generator
+        healthy): recompute the reply's rows as a prefill on a thread (module docstring)."""
+        import numpy as np
+
+        with self._lock:
+            if (self._calls != call or self._gen is not generator or self._settle is not None
+                    or self._settle_delay is None):
+                return
+            full = np.concatenate((tokens, np.asarray(reply, dtype=np.int32)))
+            start = len(self._cached)  # the prompt's exact rows (all of them, or all but one)
+            if len(full) - start < 2:
+                return
+            settle = _Settle(call, start, len(full))
+            settle.thread = threading.Thread(
+                target=self._settle_rows, args=(settle, generator, full),
+                name="localrun-onnx-settle")  # not a daemon: see _settle_rows
+            self._settle = settle
+            self._last_settle = settle
+            self._settled.clear()
+            try:
+                settle.thread.start()
+            except RuntimeError:  # interpreter shutdown: no new threads
+                self._settle = None
+                self._settled.set()
+
+    def _settle_rows(self, settle: _Settle, generator: Any, full: Any) -> None:
+        """The settle thread: after :data:`SETTLE_DELAY` idle, ``rewind_to`` the prompt's
+        exact rows and ``append_tokens`` the rest of ``full`` in pieces (one tile of 2+
+        rows each: none is a one-row tile), each under the lock, sized to take about
+        :data:`SETTLE_PIECE_SECONDS`; stops between pieces when a call takes over
+        or the main thread has ended (interpreter exit). Raises nothing: a failure
+        leaves the Generator in an unknown state, which the next call drops."""
+        abort = settle.abort
+        main = threading.main_thread()
+        rows = SETTLE_FIRST_ROWS
+        try:
+            if abort.wait(self._settle_delay or 0.0):
+                return
+            while True:
+                left = settle.total - settle.done
+                if left < 2 or abort.is_set() or not main.is_alive():
+                    return
+                piece = left if left - rows < 2 else rows  # never leave one row alone
+                with self._lock:
+                    if abort.is_set() or self._calls != settle.call or self._gen is not generator:
+                        return
+                    t0 = time.perf_counter()
+                    try:
+                        if settle.done == settle.start:
+                            generator.rewind_to(settle.start)
+                        generator.append_tokens(full[settle.done:settle.done + piece])
+                    except Exception:
+                        self._broken = True
+                        self._cached = _NOTHING
+                        settle.failed = True
+                        return
+                    spent = time.perf_counter() - t0
+                    settle.done += piece
+                    settle.seconds += spent
+                    settle.pieces += 1
+                    self._cached = full[:settle.done]
+                # the next piece takes about SETTLE_PIECE_SECONDS (a call waits for one)
+                rows = max(SETTLE_MIN_ROWS, min(SETTLE_MAX_ROWS, int(
+                    piece * SETTLE_PIECE_SECONDS / max(spent, 1e-4))))
+        except Exception:  # nothing may escape a thread; the state is unknown
+            with self._lock:
+                self._broken = True
+                self._cached = _NOTHING
+            settle.failed = True
+        finally:
+            with self._lock:
+                if self._settle is settle:
+                    self._settle = None
+                self._settled.set()
 
     def close(self) -> None:
-        self._drop_generator()  # its KV buffer first, while the model is still alive
-        self._tok = None
-        self._chat_tok = None
-        self._model = None
+        self._take_over()  # a settle stops after its current piece, first
+        with self._lock:
+            self._drop_generator()  # its KV buffer first, while the model is still alive
+            self._tok = None
+            self._chat_tok = None
+            self._model = None
+
+
+class _Settle:
+    """One reply's settle: its rows ``start`` .. ``total`` of the prompt + reply tokens,
+    how far it got (``done``), and the flag that stops it between pieces."""
+
+    def __init__(self, call: int, start: int, total: int) -> None:
+        self.call = call
+        self.start = start
+        self.done = start  # rows recomputed so far: the Generator holds full[:done] exactly
+        self.total = total
+        self.pieces = 0
+        self.seconds = 0.0  # in append_tokens
+        self.failed = False
+        self.abort = threading.Event()
+        self.thread: threading.Thread = threading.Thread()
 
 
 #: An empty token array, without importing numpy at import time.

@@ -195,7 +195,11 @@ BACKENDS: dict[str, BackendSpec] = {s.name: s for s in (
         convert="python -m onnxruntime_genai.models.builder -i MODEL_DIR -o OUT -p int4 "
                 "-e cpu",
         min_compute=None,  # the CUDA build follows ONNX Runtime's; localrun checks none
-        options={},
+        options={
+            "SETTLE": ("bool", "recompute a finished reply's KV rows as a prefill in the "
+                               "background, so that the next turn reuses them with exact "
+                               "output (default true)"),
+        },
         aliases=("onnxruntime-genai", "onnxruntime_genai", "ort", "onnx-genai"),
         builds=(Build("onnxruntime-genai-cuda", "cuda", "onnx-cuda"),
                 Build("onnxruntime-genai-directml", "dml", "onnx-directml"))),
