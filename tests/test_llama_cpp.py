@@ -377,3 +377,11 @@ def test_unknown_engine_option_is_refused_with_the_valid_ones(
         localrun.load(str(default_gguf), context=256, n_gpu_layers="all")
     with pytest.raises(localrun.LocalrunError, match="Unknown device 'tpu'"):
         localrun.load(str(default_gguf), context=256, device="tpu")
+
+
+def test_threads_caps_prompt_threads_too(default_gguf: Path) -> None:
+    """``threads=1`` is one thread for prompts as well as for decoding (llama.cpp's own
+    ``-t``); left alone, llama-cpp-python would give prompts every logical CPU."""
+    with localrun.load(str(default_gguf), backend="llama.cpp", context=512, threads=1) as m:
+        params = m._session._llm.context_params
+        assert (params.n_threads, params.n_threads_batch) == (1, 1)

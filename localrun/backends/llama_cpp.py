@@ -200,6 +200,9 @@ class LlamaCppSession(Session):
         self.placement = place
         opts: dict[str, Any] = {
             "n_threads": request.threads or default_threads(),
+            # threads= caps prompts too (llama.cpp's own -t does; llama-cpp-python's
+            # default for prompts is every logical CPU)
+            **({"n_threads_batch": request.threads} if request.threads else {}),
             "verbose": False,
             **_engine_constants(llama_cpp, place.kwargs),
         }
