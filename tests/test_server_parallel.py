@@ -122,12 +122,14 @@ def test_parallel_requests_run_together_in_the_engines_batch(model: Any) -> None
     with serve(ServerConfig(parallel=1, max_queue=N), preload={"m": model}) as s:
         assert _ps(s)["parallel"] == 1
         spans = sorted(_spans(s, N))
-    # one at a time: each one's first token came after the one before it had finished.
-    # The last line's stamp can trail the engine by a few tens of ms (OpenVINO's step()
-    # holds the GIL while the handler writes): allow a tenth of a request's span, far
-    # below the whole-span overlap of requests that run together.
+    # one at a time: each one's first token came once the one before it had finished.
+    # The stamps are the clients' (threads of this process): a line's stamp can trail
+    # the engine by tens of ms on a loaded machine (OpenVINO's step() holds the GIL, and
+    # the reading thread waits for it; 50 ms of a 210 ms span seen), so allow half a
+    # request's span, far below the whole-span overlap of requests that run together
+    # (above: every first token before any last one).
     for (prev_first, last, _), (first, _, _) in itertools.pairwise(spans):
-        assert first > last - 0.1 * (last - prev_first), spans
+        assert first > last - 0.5 * (last - prev_first), spans
 
 
 def test_a_request_arriving_mid_stream_starts_before_that_one_ends(model: Any) -> None:
