@@ -177,8 +177,17 @@ class Model:
     def max_concurrency(self) -> int:
         """Sequences this model runs at once, together in its engine's batch (calls from
         several threads, a :meth:`batch`); 1 when the engine runs one at a time. The
-        first ask builds the engine's batcher (llama.cpp's is a second context)."""
+        first ask builds the engine's batcher (llama.cpp's is a second context), within
+        :meth:`limit_concurrency`."""
         return self._driver.capacity()
+
+    def limit_concurrency(self, n: int) -> None:
+        """Run at most ``n`` sequences at once (``load(max_concurrency=n)`` does this at
+        load). Before the engine's batcher is built (the first overlap, or the first ask
+        of :attr:`max_concurrency`) it also sizes it: llama.cpp's batch context then holds
+        ``n`` KV streams, not as many as memory allows, and ``n=1`` builds none. Later it
+        only caps how many run at once."""
+        self._driver.limit(_check_concurrency(n))
 
     @property
     def batch_reserved_bytes(self) -> int | None:
@@ -235,6 +244,7 @@ def load(
     device: str | None = None,
     threads: int | None = None,
     allow_unoptimized: bool = False,
+    max_concurrency: int | None = None,
     quant: str | None = None,
     progress: ProgressCallback | None = None,
     on_plan: Callable[[Plan, FetchPlan], None] | None = None,
@@ -249,7 +259,9 @@ def load(
     context, capped at 8192, on every engine). ``device`` is where it runs (``"cpu"``,
     ``"cuda:1"``, ``"GPU.1"``, ``"NPU"``, ...; default: the device the plan chose for this
     host, as ``localrun plan`` shows it). ``allow_unoptimized=True`` lets an engine load
-    a format it runs but has no optimized kernels for. Other keywords are engine options
+    a format it runs but has no optimized kernels for. ``max_concurrency`` is the most
+    sequences the model will run at once (default: as many as its engine batches, see
+    :meth:`Model.limit_concurrency`). Other keywords are engine options
     (``localrun.backends.engine_options(backend)`` lists them; others are refused).
 
     A name that is not on disk (``"qwen2.5:0.5b"``, ``"org/repo:Q4_K_M"``) is planned
@@ -265,6 +277,8 @@ def load(
                                 or context < 16):
         raise LocalrunError(f"Invalid context {context!r}",
                             hint="pass a number of tokens >= 16, e.g. context=4096")
+    if max_concurrency is not None:
+        _check_concurrency(max_concurrency)
     target = resolve(model, backend=backend, context=context, quant=quant,
                      allow_unoptimized=allow_unoptimized, progress=progress, on_plan=on_plan)
     engine = get_backend(target.backend)
@@ -279,4 +293,15 @@ def load(
             options=engine_options,
         )
     )
-    return Model(session, target.sampling_defaults)
+    loaded = Model(session, target.sampling_defaults)
+    if max_concurrency is not None:
+        loaded.limit_concurrency(max_concurrency)
+    return loaded
+
+
+def _check_concurrency(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise LocalrunError(f"Invalid max_concurrency {n!r}",
+                            hint="pass the most sequences to run at once, >= 1, e.g. "
+                                 "max_concurrency=4")
+    return n

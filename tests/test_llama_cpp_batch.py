@@ -458,6 +458,56 @@ def test_session_batcher_made_once_and_closed_with_it() -> None:
     s.close()
 
 
+def test_load_max_concurrency_builds_that_many_streams() -> None:
+    """``load(max_concurrency=3)``: the batch context holds 3 KV streams of the whole
+    context (where memory would allow 8), and Model reports 3 and their bytes; 1 builds
+    no batch context at all (the model runs one sequence at a time)."""
+    import localrun
+    from localrun.backends.llama_cpp_batch import kv_bytes_per_token
+
+    path = str(test_model("gguf-q8_0"))
+    with localrun.load(path, backend="llama.cpp", context=512, device="cpu",
+                       max_concurrency=3) as m:
+        assert m.max_concurrency == 3
+        session = m._session
+        stream = 512 * kv_bytes_per_token(session)
+        assert m.batch_reserved_bytes == 3 * stream
+        b = session._batcher
+        assert b.capacity == 3
+        assert int(session._lc.llama_n_seq_max(b._ctx)) == 3  # the engine's own count
+        assert int(session._lc.llama_n_ctx(b._ctx)) == 3 * 512
+    with localrun.load(path, backend="llama.cpp", context=512, device="cpu",
+                       max_concurrency=1) as m:
+        assert m.max_concurrency == 1 and m.batch_reserved_bytes == 0
+        assert getattr(m._session, "_batcher", None) is None
+    with pytest.raises(LocalrunError, match="max_concurrency 0"):
+        localrun.load(path, max_concurrency=0)
+
+
+def test_a_limit_after_the_batcher_is_built_caps_what_runs_at_once() -> None:
+    """``Model.limit_concurrency`` once the batch context exists: its slots stay (their
+    memory is held already), but the driver admits no more than the limit at a time."""
+    import localrun
+
+    with localrun.load(str(test_model("gguf-q8_0")), backend="llama.cpp", context=512,
+                       device="cpu") as m:
+        built = m.max_concurrency  # builds it: as many slots as memory holds
+        assert built > 2
+        m.limit_concurrency(2)
+        batcher = m._session._batcher
+        assert m.max_concurrency == 2 and batcher.capacity == built
+        real_step, in_flight = batcher.step, []
+
+        def step() -> Any:
+            in_flight.append(len(m._driver._flight))
+            return real_step()
+
+        batcher.step = step
+        out = m.batch(["1, 2, 3,"] * 4, max_tokens=4, temperature=0)
+        del batcher.step
+    assert len(out) == 4 and max(in_flight) == 2
+
+
 def test_capacity_fits_the_budget() -> None:
     from localrun.backends.llama_cpp_batch import KV_BUDGET, MAX_CAPACITY, batch_capacity
 

@@ -208,23 +208,26 @@ def _load_on_request(config: ServerConfig, path: str) -> Iterator[tuple[dict[str
                     "(pip install 'localrun[llama-cpp]')")
 def test_llama_cpp_counts_the_batch_context_it_builds() -> None:
     """llama.cpp's batcher is a second context with a KV stream of the whole context
-    per slot of its own (up to 8, whatever --parallel): a model loaded on request counts
-    its weights, overhead and KV cache plus those streams; when --max-memory cannot hold
-    them it is loaded again without a batcher and runs one request at a time."""
-    from localrun.server.manager import _estimate_loaded, estimate_bytes
+    per slot of its own, one for each request the server runs at once (--parallel, 4 by
+    default on the CPU), not as many as memory would hold (8): a model loaded on request
+    counts its weights, overhead and KV cache plus those streams; when --max-memory
+    cannot hold them it is loaded again without a batcher and runs one request at a
+    time."""
+    from localrun.server.manager import DEFAULT_PARALLEL_CPU, _estimate_loaded, estimate_bytes
     from tests.models import test_model
 
     path = str(test_model("gguf-q4_1"))
-    base = ServerConfig(context=512, keep_alive=None, parallel=N)
+    base = ServerConfig(context=512, keep_alive=None, parallel=3)
     need = estimate_bytes(path, None, base)  # weights, overhead, one KV cache
-    with _load_on_request(base, path) as (ps, handle):
-        est = _estimate_loaded(handle.info, None)
-        streams = handle.max_concurrency  # its batch context's KV streams
-        reserved = handle.batch_reserved_bytes
-    assert need and est is not None and est.kv_cache_bytes > 0
-    assert ps["parallel"] == N < streams  # runs N at once, holds a stream for each of 8
-    assert reserved == streams * est.kv_cache_bytes  # each the session's whole context
-    assert ps["size"] == need + reserved
+    for parallel, want in ((None, DEFAULT_PARALLEL_CPU), (3, 3)):
+        with _load_on_request(replace(base, parallel=parallel), path) as (ps, handle):
+            est = _estimate_loaded(handle.info, None)
+            streams = handle._session._batcher.capacity  # its batch context's KV streams
+            reserved = handle.batch_reserved_bytes
+        assert need and est is not None and est.kv_cache_bytes > 0
+        assert ps["parallel"] == want == streams  # a stream for each request at once
+        assert reserved == want * est.kv_cache_bytes  # each the session's whole context
+        assert ps["size"] == need + reserved
 
     with _load_on_request(replace(base, max_memory=ps["size"] - 1), path) as (ps, handle):
         assert getattr(handle._session, "_batcher", None) is None  # no batch context

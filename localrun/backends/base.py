@@ -145,6 +145,12 @@ class Session(ABC):
         it too."""
         return None
 
+    #: Most sequences the session's user will run at once (``load(max_concurrency=)``,
+    #: ``Model.limit_concurrency``), set by the driver before it first asks for the
+    #: batcher; None: no limit. An engine whose batcher holds memory per slot (llama.cpp's
+    #: KV streams) builds no more slots than this; the driver admits no more in any case.
+    max_concurrency: int | None = None
+
     #: True when one sequence alone runs as fast through the batcher as through
     #: generate(): the scheduler then sends every sequence through it. False: a lone
     #: sequence (nothing else in flight or waiting) runs through generate().

@@ -565,11 +565,12 @@ def _masking(lc: Any, mask: TokenMask) -> Callable[[Any], None]:
 
 
 def make_batcher(session: LlamaCppSession) -> LlamaCppBatcher | None:
-    """The batcher for a session, with as many slots as fit (None: fewer than two)."""
+    """The batcher for a session: slots that fit, at most ``session.max_concurrency``."""
     from localrun.memory import available_ram_bytes
 
     n_ctx_seq = -(-int(session._llm.n_ctx()) // 256) * 256  # llama.cpp pads streams to 256
-    capacity = batch_capacity(n_ctx_seq * kv_bytes_per_token(session), available_ram_bytes())
+    fit = batch_capacity(n_ctx_seq * kv_bytes_per_token(session), available_ram_bytes())
+    capacity = min(fit, session.max_concurrency or MAX_CAPACITY)  # each slot costs a stream
     if capacity < 2:
         return None
     return LlamaCppBatcher(session, capacity, n_ctx_seq)

@@ -66,6 +66,7 @@ class Driver:
         self._dropping: set[int] = set()  # keys the batcher was told to cancel
         self._batcher: Batcher | None = None
         self._can_batch: bool | None = None  # None: not asked yet
+        self._limit: int | None = None  # most sequences at once the caller asked for
         self._thread: threading.Thread | None = None
         self._closed = False
         self._keys = itertools.count(1)
@@ -215,11 +216,26 @@ class Driver:
             for gen in live:
                 gen.halted = True
 
+    def limit(self, n: int) -> None:
+        """Run at most ``n`` sequences at once. Given before the batcher is built, the
+        session builds no more slots than that (``Session.max_concurrency``), and none
+        at all for 1; later it only caps how many the engine thread admits."""
+        with self._cv:
+            session = self._live(threading.get_ident())
+            self._limit = n
+            if self._can_batch is None:  # not built yet: the session sizes it
+                session.max_concurrency = n
+                if n == 1:
+                    self._can_batch = False
+
     def capacity(self) -> int:
         """Sequences that run at once: the batcher's capacity (asking the session for it
-        the first time), 1 when the session runs one at a time."""
+        the first time) within :meth:`limit`, 1 when the session runs one at a time."""
         batcher = self._batcher if self._batching() else None
-        return batcher.capacity if batcher is not None else 1
+        return self._room(batcher.capacity) if batcher is not None else 1
+
+    def _room(self, capacity: int) -> int:
+        return min(capacity, self._limit) if self._limit is not None else capacity
 
     def batch_reserved_bytes(self) -> int | None:
         """The batcher's :attr:`~localrun.backends.base.Batcher.reserved_bytes` (asking
@@ -405,7 +421,7 @@ class Driver:
             for g in dropped:
                 waiting.remove(g)
             assert self._batcher is not None
-            room = max(self._batcher.capacity - len(self._flight), 0)
+            room = max(self._room(self._batcher.capacity) - len(self._flight), 0)
             return dropped, [waiting.popleft() for _ in range(min(room, len(waiting)))]
 
     def _round(self, dropped: list[Generation], admit: list[Generation]) -> None:

@@ -303,19 +303,22 @@ class ModelManager:
         :data:`DEFAULT_PARALLEL_CPU` on the CPU, the engine's capacity elsewhere), at
         most what its engine batches (``Model.max_concurrency``); 1 for an engine that
         runs one sequence at a time, and for embedders. Asking builds the engine's
-        batcher (llama.cpp's is a second context), so ``--parallel 1`` does not ask."""
+        batcher (llama.cpp's is a second context), so ``--parallel 1`` does not ask, and
+        the model is told first how many it will run (``Model.limit_concurrency``):
+        llama.cpp's batch context then holds a KV stream for each of those, no more."""
         parallel = self.config.parallel
         if kind != "chat" or parallel == 1:
             return 1
+        if parallel is None and (handle.info.device or "cpu").lower() == "cpu":
+            parallel = DEFAULT_PARALLEL_CPU
         try:
+            if parallel is not None:
+                handle.limit_concurrency(parallel)
             capacity = max(1, int(handle.max_concurrency))
         except LocalrunError as e:  # the batcher could not be built: one at a time
             log.warning("%s runs one request at a time: %s", name, e)
             return 1
-        if parallel is None:
-            on_cpu = (handle.info.device or "cpu").lower() == "cpu"
-            return min(capacity, DEFAULT_PARALLEL_CPU) if on_cpu else capacity
-        return min(parallel, capacity)
+        return min(parallel, capacity) if parallel is not None else capacity
 
     async def _room_for_slots(self, name: str, need: int | None, est: MemoryEstimate | None,
                               slots: int, reserved: int | None) -> int:
