@@ -393,8 +393,13 @@ def _streams_at_once(m: localrun.Model, n: int, max_tokens: int) -> tuple[list[A
     were generating at the same moment (from each one's first piece to its end)."""
     spans: list[tuple[float, float]] = [(0.0, 0.0)] * n
     out: list[Any] = [None] * n
+    # the requests leave together: threads started one by one on a busy machine reached
+    # the server in waves, and a wave of short replies could end before the next began
+    # (seen once: 6 of 16 at once)
+    start = threading.Barrier(n)
 
     def one(i: int) -> None:
+        start.wait(REAL_WAIT)
         stream = m.stream([{"role": "user", "content": f"Tell me a fact about the number "
                             f"{i + 1}."}], temperature=0, max_tokens=max_tokens)
         first = 0.0
@@ -448,10 +453,10 @@ def test_real_vllm_16_concurrent_requests(real_vllm: localrun.Model, via: str) -
     m = remote or real_vllm
     try:
         t0 = time.monotonic()
-        out, most = _streams_at_once(m, 16, 24)
+        out, most = _streams_at_once(m, 16, 48)
         assert time.monotonic() - t0 < REAL_WAIT
         assert all(c is not None and c.text and c.finish_reason in ("stop", "length")
-                   and 0 < c.usage.completion_tokens <= 24 for c in out)
+                   and 0 < c.usage.completion_tokens <= 48 for c in out)
         assert most >= 8, f"only {most} of 16 generated at once"
         items = [[{"role": "user", "content": f"Name a color. ({i})"}] for i in range(16)]
         results = m.batch(items, temperature=0, max_tokens=8)
