@@ -270,6 +270,35 @@ def test_batched_path_stop_strings_and_overflow(batching_model: Any) -> None:
     assert isinstance(results[1], ContextOverflowError)
 
 
+def test_batched_path_wakes_the_caller_once_per_item(batching_model: Any,
+                                                     monkeypatch: Any) -> None:
+    """A batch's pieces are fed on the engine thread: the caller's thread is woken once
+    per item (its end), not for every token (each wake-up takes a core from the engine's
+    threads between its decode steps); a stop string still ends its item mid-batch."""
+    import queue
+
+    from localrun.driver import scheduler
+
+    gets: list[int] = []
+
+    class Counting(queue.SimpleQueue):  # type: ignore[type-arg]
+        def get(self, block: bool = True, timeout: float | None = None) -> Any:
+            gets.append(threading.get_ident())
+            return super().get(block, timeout)
+
+    monkeypatch.setattr(scheduler.queue, "SimpleQueue", Counting)
+    prompt = "Count from 1 to 10, separated by commas."
+    items = [BatchItem(prompt, {"stop": ["5"]}), "Write a long story about a dragon.",
+             "Write a long story about a cat."]
+    results = batching_model.batch(items, temperature=0, max_tokens=24)
+    assert interleaved(batching_model._session.order)
+    tokens = sum(c.usage.completion_tokens for c in results)
+    assert tokens > 3 * len(items)
+    assert len(gets) == len(items) and set(gets) == {threading.get_ident()}
+    assert results[0].finish_reason == "stop" and "5" not in results[0].text
+    assert [c.finish_reason for c in results[1:]] == ["length", "length"]
+
+
 def test_batched_path_engine_failure_is_per_item(batching_model: Any) -> None:
     """The engine fails in the step after admitting item 2: item 0 had finished and
     keeps its result; item 1, still running beside it, and item 2 get the error; the

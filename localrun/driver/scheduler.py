@@ -186,32 +186,25 @@ class Driver:
                 fresh: list[Generation] = []
                 while todo and len(live) < cap:
                     i, request = todo.popleft()
-                    gen = Generation(request, cancel, sink, next(self._keys))
+                    gen = Generation(request, cancel, sink, next(self._keys), eager=True)
                     live[gen] = i
                     fresh.append(gen)
                 if fresh:
                     self._enqueue(fresh)
                 if not live:
                     break
-                gen, payload, tokens = sink.get()
-                index = live.get(gen)
+                # Eager sequences: the engine thread fed them, and sends only their end.
+                gen, payload, _ = sink.get()
+                index = live.pop(gen, None)
                 if index is None:
-                    continue  # a piece that came after its sequence was done
+                    continue  # an end that came after its sequence was done
                 if isinstance(payload, BaseException):
-                    del live[gen]
                     if not isinstance(payload, LocalrunError):
                         raise payload
                     yield index, payload
-                elif payload is None:
-                    del live[gen]
-                    gen.finish(None)
-                    yield index, gen.result()
                 else:
-                    gen.feed(payload, tokens)
-                    if gen.hit:
-                        del live[gen]
-                        gen.finish("stop")
-                        yield index, gen.result()
+                    gen.finish("stop" if gen.hit else None)
+                    yield index, gen.result()
         finally:
             for gen in live:
                 gen.halted = True
@@ -480,7 +473,11 @@ class Driver:
             flight.pop(key, None)
             self._dropping.discard(key)
         for event in reversed(sends):
-            sink = event[0].sink
+            gen = event[0]
+            if gen.eager:
+                _feed_here(gen, event)
+                continue
+            sink = gen.sink
             assert sink is not None
             sink.put(event)
 
@@ -504,6 +501,28 @@ class Driver:
             self._dropping.clear()
         for gen in gens:
             _send(gen, error)
+
+
+def _feed_here(gen: Generation, event: Event) -> None:
+    """An eager sequence's event, on the engine thread: a piece is fed to it here (its
+    consumer is not woken for it); its end (the engine's, a stop string's, an error) is
+    sent, once. A stop string leaves it halted: the batcher drops it at the next step."""
+    if gen.ended:
+        return  # pieces and the end of a sequence a stop string already ended
+    _, payload, tokens = event
+    if isinstance(payload, str):
+        try:
+            gen.feed(payload, tokens)
+        except Exception as e:  # this sequence's own failure, raised to its caller
+            gen.halted = True
+            payload = e
+        else:
+            if not gen.hit:
+                return
+            payload = None  # ended by a stop string: its consumer finishes it as "stop"
+    gen.ended = True
+    assert gen.sink is not None
+    gen.sink.put((gen, payload, tokens))
 
 
 def _send(gen: Generation, payload: str | BaseException | None, tokens: int = 0) -> None:

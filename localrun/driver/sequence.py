@@ -163,18 +163,22 @@ NOT_STARTED = Completion("", "cancelled", Usage(0, 0), Timings())
 
 class Generation:
     """One sequence: prepared once on the thread that runs the engine, fed on its
-    consumer's thread (they may be the same)."""
+    consumer's thread (they may be the same), or on the engine thread when ``eager``."""
 
-    __slots__ = ("cancel", "completion", "first", "halted", "hit", "key", "matcher",
-                 "outcome", "parts", "processor", "prompt", "request", "sampling", "sink",
-                 "stats", "t0", "tokens")
+    __slots__ = ("cancel", "completion", "eager", "ended", "first", "halted", "hit", "key",
+                 "matcher", "outcome", "parts", "processor", "prompt", "request", "sampling",
+                 "sink", "stats", "t0", "tokens")
 
     def __init__(self, request: Request, cancel: CancelToken, sink: Sink | None = None,
-                 key: int = 0) -> None:
+                 key: int = 0, eager: bool = False) -> None:
         self.request = request
         self.cancel = cancel  # the caller's token (a batch shares one)
         self.sink = sink  # where the engine thread sends this sequence's events
         self.key = key  # the Batcher's key
+        # Fed by the engine thread as its pieces come, the consumer woken only at its
+        # end (a batch's items: nobody reads their pieces before the end).
+        self.eager = eager
+        self.ended = False  # an eager sequence's end was sent to its consumer
         self.outcome = Outcome() if request.structured is not None else None
         self.stats = GenerationStats()
         self.prompt: Prompt | None = None  # None until prepared
