@@ -9,6 +9,12 @@ Two measurements per engine, through ``localrun`` (``Model.stream``, greedy):
 * **shared system prompt** — two calls with the same ``--system-tokens``-token system
   prompt and different questions. Target: the second call's TTFT <= 25% of the first's.
 
+The conversation is the issue's: a short system prompt, so that every reply runs its
+``--reply`` tokens (turn 1 ~26 prompt tokens, then ~112 more a turn, as in the issue's
+table). ``--system`` changes it; one asking for short answers ("Answer in a few plain
+sentences.") makes some replies end early, and then turn 2 prefills fewer tokens than
+turn 6 on the engines that prefill the last reply again (llama.cpp; ONNX back to back).
+
 ``--think SECONDS`` pauses that long between a reply and the next call (a user reading
 the reply, an agent running a tool); the default, 0, asks back to back. TTFT then leaves
 out what localrun does during the pause (ONNX Runtime GenAI settles the previous reply's
@@ -40,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 #: backend -> fixture format of tests/models.py
 FIXTURES = {"llama.cpp": "gguf-q8_0", "openvino": "openvino-int4", "onnx": "onnx-int4",
             "mlx": "mlx-4bit"}
-SYSTEM = "You are a helpful assistant. Answer in a few plain sentences."
+SYSTEM = "You are a helpful assistant."
 TURNS = ["Tell me about the sea.", "Why is it salty?", "What lives at the bottom?",
          "How deep is the deepest part?", "Who first went down there?",
          "What did they see?"]
@@ -60,8 +66,9 @@ def ask(model: Any, messages: list[dict[str, str]], max_tokens: int) -> tuple[st
     return c.text, c.usage.prompt_tokens, c.timings.ttft
 
 
-def multi_turn(model: Any, reply: int, think: float) -> list[tuple[int, float]]:
-    messages = [{"role": "system", "content": SYSTEM}]
+def multi_turn(model: Any, reply: int, think: float, system: str
+               ) -> list[tuple[int, float]]:
+    messages = [{"role": "system", "content": system}]
     rows = []
     for turn in TURNS:
         time.sleep(think)  # after the warm-up's reply, then after each turn's
@@ -85,7 +92,7 @@ def shared_system(model: Any, n_tokens: int, think: float) -> tuple[int, float, 
     return n, first, second
 
 
-def bench(backend: str, reply: int, system_tokens: int, think: float
+def bench(backend: str, reply: int, system_tokens: int, think: float, system: str
           ) -> dict[str, Any] | None:
     import localrun
     from localrun.backends import is_installed
@@ -102,7 +109,7 @@ def bench(backend: str, reply: int, system_tokens: int, think: float
         model = localrun.load(path, backend=backend, context=4096)
     with model:
         ask(model, [{"role": "user", "content": "Hello."}], 4)  # warm-up
-        turns = multi_turn(model, reply, think)
+        turns = multi_turn(model, reply, think, system)
         n, first, second = shared_system(model, system_tokens, think)
     cells = " | ".join(f"{p} : {t * 1000:.0f} ms" for p, t in turns)
     ratio = turns[-1][1] / turns[1][1] if turns[1][1] else float("inf")
@@ -110,6 +117,7 @@ def bench(backend: str, reply: int, system_tokens: int, think: float
     print(f"{backend:10} shared {n}-token system prompt: first {first * 1000:.0f} ms, "
           f"second {second * 1000:.0f} ms ({second / first:.0%})", flush=True)
     return {"backend": backend, "model": Path(path).name, "reply": reply, "think": think,
+            "system": system,
             "turns": [{"prompt_tokens": p, "ttft": t} for p, t in turns],
             "turn6_over_turn2": ratio,
             "shared_system": {"prompt_tokens": n, "first_ttft": first, "second_ttft": second,
@@ -120,7 +128,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", nargs="*", default=list(FIXTURES), choices=list(FIXTURES))
     ap.add_argument("--reply", type=int, default=96, help="greedy tokens per reply")
-    ap.add_argument("--system-tokens", type=int, default=1500)
+    ap.add_argument("--system", default=SYSTEM,
+                    help=f"the multi-turn chat's system prompt (default: {SYSTEM!r})")
+    ap.add_argument("--system-tokens", type=int, default=1500,
+                    help="the shared system prompt's length (second measurement)")
     ap.add_argument("--think", type=float, default=0.0, metavar="SECONDS",
                     help="pause between a reply and the next call (a user reading it, an "
                     "agent running a tool; default 0: back to back); TTFT then excludes "
@@ -133,7 +144,7 @@ def main() -> None:
           + " | turn 6 / turn 2 |")
     print("|---" * (len(TURNS) + 2) + "|")
     results = [r for b in args.backends
-               if (r := bench(b, args.reply, args.system_tokens, args.think))]
+               if (r := bench(b, args.reply, args.system_tokens, args.think, args.system))]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
 

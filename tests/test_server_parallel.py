@@ -176,6 +176,50 @@ def test_a_request_arriving_mid_stream_starts_before_that_one_ends(model: Any) -
     assert first_a < first_b < last_a, spans
 
 
+def test_whole_answers_run_together_without_crossing_threads_per_token(
+        model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests that ask for one JSON answer, N at once, get the reply a streamed one
+    gets; their workers post one "done" event each, none per token (a token's trip
+    through a worker thread and the event loop took a core from the engine's threads
+    mid-step)."""
+    from localrun.server import jobs
+
+    _batches_alone(model)
+    kinds: list[str] = []
+    put = jobs.Job._put
+
+    def counted(self: Any, event: Any) -> None:
+        kinds.append(event.kind)
+        put(self, event)
+
+    monkeypatch.setattr(jobs.Job, "_put", counted)
+    body = {"model": "m", "prompt": COUNTING, "raw": True, "stream": False,
+            "options": {"num_predict": TOKENS, "temperature": 0}}
+    barrier = threading.Barrier(N)
+    answers: list[Any] = [None] * N
+
+    def one(url: str, i: int) -> None:
+        barrier.wait(WAIT)
+        try:
+            status, _, raw = request("POST", url + "/api/generate", body)
+            answers[i] = json.loads(raw) if status == 200 else (status, raw)
+        except Exception as e:  # asserted below, with what it was
+            answers[i] = repr(e)
+
+    with serve(ServerConfig(parallel=N, max_queue=0), preload={"m": model}) as s:
+        streamed = _spans(s, 1)[0][2]
+        kinds.clear()
+        threads = [threading.Thread(target=one, args=(s.url, i)) for i in range(N)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT * 2)
+    assert all(isinstance(a, dict) for a in answers), answers
+    assert [a["response"] for a in answers] == [streamed] * N
+    assert [a["eval_count"] for a in answers] == [TOKENS] * N
+    assert kinds == ["done"] * N, kinds
+
+
 def test_default_parallel_is_the_engines_capacity_at_most_4_on_the_cpu(model: Any) -> None:
     from localrun.cli.serve import banner
     from localrun.server.manager import DEFAULT_PARALLEL_CPU

@@ -96,9 +96,9 @@ class Driver:
                 if isinstance(payload, BaseException):
                     done = True
                     raise payload
-                if payload is None:
+                if payload is None:  # the end (an eager sequence: its only event)
                     done = True
-                    yield from gen.finish(None)
+                    yield from gen.finish("stop" if gen.hit else None)
                     return
                 if gen.cancel.cancelled:  # as on the caller's thread: stop between pieces
                     done = gen.halted = True

@@ -176,7 +176,7 @@ class Generation:
         self.sink = sink  # where the engine thread sends this sequence's events
         self.key = key  # the Batcher's key
         # Fed by the engine thread as its pieces come, the consumer woken only at its
-        # end (a batch's items: nobody reads their pieces before the end).
+        # end (a batch's items, a joined stream: nobody reads their pieces before).
         self.eager = eager
         self.ended = False  # an eager sequence's end was sent to its consumer
         self.outcome = Outcome() if request.structured is not None else None
@@ -300,12 +300,14 @@ class Stream:
         self._chunks = chunks
         self._cancel = cancel
         self._gen = generation
+        self._started = False
         self.completion: Completion | None = None
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> Chunk:
+        self._started = True
         chunk = next(self._chunks)
         if chunk.finish_reason is not None:
             self.completion = self._gen.completion
@@ -332,6 +334,8 @@ class Stream:
         with ``schema=``/``response_format=`` (or a forced tool call) ended before its
         JSON was complete; the error's ``completion`` holds what was generated.
         """
+        if not self._started:  # nobody reads its pieces: the engine thread may feed it
+            self._gen.eager = True
         for _ in self:
             pass
         assert self.completion is not None

@@ -89,6 +89,7 @@ class Job:
         self._watcher = self._loop.create_task(self._watch_disconnect())
         self._closed = False
         self._ran: Any = None  # the worker's own Completion, even when nobody read it
+        self.started_at = 0.0  # time.monotonic() when the worker started
 
     @classmethod
     async def open(cls, request: Any, endpoint: str, model: str, *,
@@ -111,15 +112,16 @@ class Job:
 
     @classmethod
     async def generate(cls, request: Any, endpoint: str, model: str, call: Call, *,
-                       context: int | None = None, keep_alive: Any = "default"
-                       ) -> tuple[Job, Event]:
+                       context: int | None = None, keep_alive: Any = "default",
+                       stream: bool = True) -> tuple[Job, Event]:
         """Open, start ``call(handle, token)`` and wait for its first event, before any
         header goes out: a failure there still gets its own status code (400 for a
-        prompt over the context, 500 for an engine failure)."""
+        prompt over the context, 500 for an engine failure). ``stream`` False (one JSON
+        answer): the reply comes as one "done" event, its pieces never cross threads."""
         job = await cls.open(request, endpoint, model, context=context, keep_alive=keep_alive)
         try:
             handle = job.loaded.handle
-            job.run(lambda token: call(handle, token))
+            job.run(lambda token: call(handle, token), whole=not stream)
             return job, await job.first()
         except BaseException:
             job.close()
@@ -202,10 +204,12 @@ class Job:
 
     # -- the worker -------------------------------------------------------------------
 
-    def run(self, work: Callable[[CancelToken], Any]) -> None:
-        """Start ``work(token)`` in a thread: it returns a Stream (chunks are forwarded)
-        or any other value (forwarded as the "done" event's completion)."""
-        self._thread = threading.Thread(target=self._work, args=(work,), daemon=True,
+    def run(self, work: Callable[[CancelToken], Any], whole: bool = False) -> None:
+        """Start ``work(token)`` in a thread: it returns a Stream (chunks are forwarded,
+        or with ``whole`` only its Completion: ``Stream.join()``) or any other value
+        (forwarded as the "done" event's completion)."""
+        self.started_at = time.monotonic()
+        self._thread = threading.Thread(target=self._work, args=(work, whole), daemon=True,
                                         name=f"localrun-{self.endpoint}")
         self._thread.start()
 
@@ -213,12 +217,14 @@ class Job:
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
             self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
-    def _work(self, work: Callable[[CancelToken], Any]) -> None:
+    def _work(self, work: Callable[[CancelToken], Any], whole: bool) -> None:
         try:
             result = work(self.token)
             if hasattr(result, "join") and hasattr(result, "__next__"):
                 with result:
-                    for chunk in result:
+                    # one JSON answer: join() lets the engine thread feed the reply, and
+                    # neither this thread nor the event loop wakes for each token
+                    for chunk in () if whole else result:
                         self._put(Event("chunk", chunk=chunk))
                     try:
                         completion = result.join()
@@ -299,6 +305,10 @@ class Job:
         c = self.completion
         if self.first_token_at is not None:
             self.metrics.ttft.labels(model=name).observe(self.first_token_at - self.t0)
+        elif isinstance(c, Completion) and c.timings.ttft > 0 and self.started_at:
+            # a whole answer (no chunk events): the queue, then the engine's own TTFT
+            ttft = self.started_at - self.t0 + c.timings.ttft
+            self.metrics.ttft.labels(model=name).observe(ttft)
         if isinstance(c, Completion):
             usage = c.usage
             self.metrics.prompt_tokens.labels(model=name).inc(usage.prompt_tokens)

@@ -231,7 +231,7 @@ async def _generate(request: Request, endpoint: str, model: str, call: Call, *,
                     stream: bool, chat: bool, num_ctx: int | None, keep_alive: Any) -> Any:
     """Run ``call`` and answer as Ollama's NDJSON stream or one JSON object."""
     job, first = await Job.generate(request, endpoint, model, call, context=num_ctx,
-                                    keep_alive=keep_alive)
+                                    keep_alive=keep_alive, stream=stream)
     wire = _NDJSON(job, model, chat)
     if stream:
         return StreamingResponse(job.pump(first, wire), media_type=NDJSON)

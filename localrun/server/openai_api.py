@@ -236,7 +236,8 @@ async def chat_completions(request: Request) -> Any:
 
     job, first = await Job.generate(
         request, "chat", model,
-        lambda h, token: h.stream(messages, cancel=token, **structured, **sampling))
+        lambda h, token: h.stream(messages, cancel=token, **structured, **sampling),
+        stream=stream)
     wire = _ChatSSE("chat.completion.chunk", "chatcmpl-" + secrets.token_hex(12), model,
                     include_usage)
     return await _answer(job, first, wire, stream, _chat_message)
@@ -265,7 +266,8 @@ async def completions(request: Request) -> Any:
 
     job, first = await Job.generate(
         request, "completions", model,
-        lambda h, token: h.stream(prompt, raw=True, cancel=token, **sampling))
+        lambda h, token: h.stream(prompt, raw=True, cancel=token, **sampling),
+        stream=stream)
     wire = _TextSSE("text_completion", "cmpl-" + secrets.token_hex(12), model, include_usage)
     return await _answer(job, first, wire, stream, lambda c: {"text": c.text})
 
