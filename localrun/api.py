@@ -198,6 +198,26 @@ class Model:
         builds the batcher, as for :attr:`max_concurrency`."""
         return self._driver.batch_reserved_bytes()
 
+    @property
+    def kept_cache_bytes(self) -> int:
+        """Most memory (bytes) the engine keeps between calls beyond the model's own KV
+        cache, for KV reuse: MLX's prompt caches of recent calls (a few, within 1 GiB,
+        or the last one's whatever it takes); 0 where the cells it reuses live in a KV
+        cache counted already (llama.cpp, OpenVINO)."""
+        return self._live().kept_cache_bytes
+
+    @property
+    def batch_slots(self) -> tuple[int, int] | None:
+        """Before the engine's batcher is built, where it will hold memory for each
+        sequence it runs at once from the start (llama.cpp's batch context, a KV stream
+        per slot): ``(slots, bytes_per_slot)``, the slots it would build now (within
+        :meth:`limit_concurrency`; under 2, none) and the memory each takes. It builds
+        nothing, so a caller can size the batcher to its memory first
+        (``limit_concurrency``). None where building it holds nothing up front, and once
+        it is built: :attr:`max_concurrency` and :attr:`batch_reserved_bytes` then say
+        what it runs and holds."""
+        return self._driver.batch_slots()
+
     def count_tokens(self, text: str) -> int:
         """Tokens of raw text for this model's tokenizer."""
         return self._driver.count_tokens(text)

@@ -293,6 +293,28 @@ def shape_from_config(config: dict[str, Any]) -> ModelShape | None:
     return None
 
 
+def shape_from_openvino_ir(xml: str) -> ModelShape | None:
+    """From a stateful OpenVINO IR (``openvino_model.xml``), for a folder without its
+    config.json: the KV cache is the IR's state, a ``ReadValue`` variable for each
+    layer's keys and one for its values, shaped ``?,kv_heads,?,head_dim`` (batch and
+    sequence dynamic). Variables of other shapes (a recurrent state) hold no tokens and
+    are not counted; where the K and V shapes differ, the largest counts for all (an
+    estimate on the safe side). The trained context is not in the IR."""
+    per_token: list[tuple[int, int]] = []
+    for attrs in re.findall(r"<data\s([^>]*\bvariable_id=[^>]*)>", xml):
+        found = re.search(r'\bvariable_shape="([^"]*)"', attrs)
+        dims = found.group(1).split(",") if found else []
+        if len(dims) == 4 and dims[0] == dims[2] == "?" and all(
+                d.strip().isdigit() for d in (dims[1], dims[3])):
+            per_token.append((int(dims[1]), int(dims[3])))
+    if not per_token:
+        return None
+    heads, head_dim = max(per_token, key=lambda hd: hd[0] * hd[1])
+    if not heads or not head_dim:
+        return None
+    return ModelShape(-(-len(per_token) // 2), heads, head_dim)
+
+
 #: config.json's torch_dtype (transformers 5: dtype) -> bytes per element
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
+import sys
 import typing
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from localrun.backends import (
     not_installed,
 )
 from localrun.backends.spec import BackendName, BackendSpec
+from localrun.errors import EngineNotInstalledError
 from localrun.formats import compat
 
 try:
@@ -190,3 +192,28 @@ def test_the_exllama_tables_come_from_the_spec() -> None:
         assert spec.options["kv_cache"][0] == options.KV_CACHE_CHOICES
     assert set(options.ENGINES) == {n for n, s in BACKENDS.items() if s.module.startswith(
         "localrun.backends.exllamav")}
+
+
+def test_engine_modules_name_a_missing_engine_from_the_table() -> None:
+    """Every "engine not installed" error is built by not_installed() from the table's
+    title and install command: no engine module spells its own (they had drifted:
+    "llama.cpp" vs the table's "llama.cpp (llama-cpp-python)")."""
+    pkg = ROOT / "localrun"
+    spelled = [f"{f.relative_to(ROOT)}:{n}" for f in sorted(pkg.rglob("*.py"))
+               if f.name != "errors.py" and f != pkg / "backends" / "__init__.py"
+               for n, line in enumerate(f.read_text().splitlines(), 1)
+               if "EngineNotInstalledError(" in line]
+    assert spelled == []
+
+
+def test_a_broken_engine_import_names_the_engine_as_the_table_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from localrun.backends.base import LoadRequest
+    from localrun.backends.llama_cpp import LlamaCppSession
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
+    with pytest.raises(EngineNotInstalledError) as e:
+        LlamaCppSession(LoadRequest("never-read.gguf", "gguf"))
+    assert e.value.backend == BACKENDS["llama.cpp"].title
+    assert e.value.hint == install_hint("llama.cpp") == "pip install 'localrun[llama-cpp]'"
+    assert str(e.value).startswith("The llama.cpp (llama-cpp-python) engine cannot be used: ")

@@ -553,3 +553,24 @@ def test_model_calls_from_threads_run_together() -> None:
             t.join()
         assert [got[k] for k in range(len(QUESTIONS))] == want
         assert isinstance(model._driver._batcher, LlamaCppBatcher)
+
+
+def test_batch_slots_say_what_the_batch_context_will_hold_before_it_is_built() -> None:
+    """``Model.batch_slots``: the KV streams the batch context would have (within
+    limit_concurrency) and the bytes of each, asked without building it, so that a
+    caller (``localrun serve --max-memory``) sizes it first; once built, None (its
+    capacity and reserved bytes say it then)."""
+    import localrun
+    from localrun.backends.llama_cpp_batch import kv_bytes_per_token
+
+    path = str(test_model("gguf-q8_0"))
+    with localrun.load(path, backend="llama.cpp", context=512, device="cpu",
+                       max_concurrency=3) as m:
+        stream = 512 * kv_bytes_per_token(m._session)
+        assert m.batch_slots == (3, stream)
+        assert getattr(m._session, "_batcher", None) is None  # asking built nothing
+        m.limit_concurrency(2)
+        assert m.batch_slots == (2, stream)
+        assert m.max_concurrency == 2 and m.batch_reserved_bytes == 2 * stream
+        assert m.batch_slots is None
+        assert m.kept_cache_bytes == 0  # its reused cells are in its slots, counted

@@ -162,3 +162,23 @@ def test_gguf_quant_is_the_nearest_to_q4_k_m_that_fits(monkeypatch: pytest.Monke
         tight = hub.plan_fetch(f"{BASE}-GGUF", backend="llama.cpp", device="cpu",
                                memory_budget_bytes=need["Q4_K_M"] - 1, context=256)
         assert tight.quant == "Q4_K_S" and tight.fits
+
+
+def test_an_openvino_ir_without_config_json_has_its_kv_shape_in_its_state() -> None:
+    """An IR folder without config.json (the test fixture's GGUF export, some community
+    repos) still shows its KV cache: the IR's state variables, a ``?,kv_heads,?,head_dim``
+    key and value per layer (SmolLM2: 30 layers of 3 heads of 64)."""
+    from tests.models import test_model
+
+    ir = test_model("openvino-int4")
+    assert not (ir / "config.json").exists()
+    xml = (ir / "openvino_model.xml").read_text("utf-8")
+    shape = memory.shape_from_openvino_ir(xml)
+    assert shape == ModelShape(SMOLLM2.n_layers, SMOLLM2.n_kv_heads, SMOLLM2.head_dim)
+    # K and V of other sizes: the larger counts; a state without a token axis: none
+    state = ('<data variable_id="past_key_values.0.key" variable_type="f32" '
+             'variable_shape="?,2,?,128" /><data variable_id="past_key_values.0.value" '
+             'variable_type="f32" variable_shape="?,2,?,96" />'
+             '<data variable_id="conv.0" variable_shape="?,1024,4" />')
+    assert memory.shape_from_openvino_ir(state) == ModelShape(1, 2, 128)
+    assert memory.shape_from_openvino_ir("<net><layers/></net>") is None

@@ -97,6 +97,26 @@ def test_keep_drops_what_a_longer_entry_holds_and_stays_bounded() -> None:
     assert small.borrow([2, 2, 3])[1] == 2
 
 
+def test_most_bytes_bounds_what_the_store_keeps() -> None:
+    """What serve counts for the store (``most_bytes``): never less than it holds, and
+    reached: each entry is at most one context's cache, older ones go past the budget,
+    the newest stays whatever its size."""
+    from localrun.backends.mlx_batch import PREFIX_BYTES, PrefixCache
+
+    full = int(sum(c.nbytes for c in kv(256)))  # a whole context (mlx-lm's 256 steps)
+    for budget, most in ((10**9, 3 * full), (full + full // 2, full + full // 2),
+                         (full // 2, full)):
+        store = PrefixCache(_Model(), entries=3, budget=budget)
+        assert store.most_bytes(full) == most
+        seen = 0
+        for first in range(1, 7):
+            store.keep([first] * 200, kv(200))
+            seen = max(seen, store.nbytes)
+            assert store.nbytes <= most
+        assert seen > most - full  # within one entry of the bound: it is not loose
+    assert PrefixCache(_Model()).most_bytes(None) == PREFIX_BYTES
+
+
 # -- on the model -----------------------------------------------------------------------
 
 
@@ -196,3 +216,23 @@ def test_the_batcher_and_the_single_path_share_the_cache(model: Any) -> None:
     assert text == alone
     again, n = run(session, prompt, greedy(), reuse=True)  # the batcher's cache, back
     assert again == alone and n == 1
+
+
+def test_serve_counts_the_caches_it_keeps(model: Any) -> None:
+    """``Model.kept_cache_bytes``: the store's bound for this model's context (a few
+    whole-context caches within 1 GiB), which ``localrun serve`` adds to the model's
+    weights, overhead and KV cache."""
+    pytest.importorskip("fastapi", reason="the serve extra is not installed "
+                        "(pip install 'localrun[serve]')")
+    from localrun.backends.mlx_batch import PREFIX_BYTES, PREFIX_ENTRIES
+    from localrun.server.config import ServerConfig
+    from localrun.server.manager import _estimate_loaded
+    from tests.serverutil import serve
+
+    est = _estimate_loaded(model.info, None)
+    assert est is not None and est.kv_cache_bytes > 0 and model.info.context_length == 2048
+    kept = min(PREFIX_ENTRIES * est.kv_cache_bytes, max(PREFIX_BYTES, est.kv_cache_bytes))
+    assert model.kept_cache_bytes == kept
+    with serve(ServerConfig(parallel=1), preload={"m": model}) as s:
+        (loaded,) = s.manager.models.values()
+        assert loaded.size == est.total_bytes + kept

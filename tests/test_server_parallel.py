@@ -237,11 +237,20 @@ def test_default_parallel_is_the_engines_capacity_at_most_4_on_the_cpu(model: An
 
 
 @contextlib.contextmanager
-def _load_on_request(config: ServerConfig, path: str) -> Iterator[tuple[dict[str, Any], Any]]:
+def _load_on_request(config: ServerConfig, path: str, loads: list[str] | None = None
+                     ) -> Iterator[tuple[dict[str, Any], Any]]:
     """Serve ``config`` and load ``path`` as a request would (Ollama's way: /api/generate
     with no prompt): its /api/ps entry and the Model the server loaded, until the block
-    ends."""
-    with serve(config) as s:
+    ends. ``loads`` gets the name of each model the server loads."""
+    from localrun.server.manager import ModelManager, _load_chat
+    from localrun.server.metrics import Metrics
+
+    def load(name: str, config: ServerConfig, context: int | None) -> Any:
+        if loads is not None:
+            loads.append(name)
+        return _load_chat(name, config, context)
+
+    with serve(config, manager=ModelManager(config, Metrics(), loader=load)) as s:
         status, _, body = request("POST", s.url + "/api/generate", {"model": path})
         assert status == 200, body
         (loaded,) = s.manager.models.values()
@@ -254,9 +263,10 @@ def test_llama_cpp_counts_the_batch_context_it_builds() -> None:
     """llama.cpp's batcher is a second context with a KV stream of the whole context
     per slot of its own, one for each request the server runs at once (--parallel, 4 by
     default on the CPU), not as many as memory would hold (8): a model loaded on request
-    counts its weights, overhead and KV cache plus those streams; when --max-memory
-    cannot hold them it is loaded again without a batcher and runs one request at a
-    time."""
+    counts its weights, overhead and KV cache plus those streams. Where --max-memory
+    holds fewer, the batch context is built with as many as fit, and where it holds not
+    even two, none is built (one request at a time): sized before it is built, the model
+    loaded once."""
     from localrun.server.manager import DEFAULT_PARALLEL_CPU, _estimate_loaded, estimate_bytes
     from tests.models import test_model
 
@@ -273,9 +283,14 @@ def test_llama_cpp_counts_the_batch_context_it_builds() -> None:
         assert reserved == want * est.kv_cache_bytes  # each the session's whole context
         assert ps["size"] == need + reserved
 
-    with _load_on_request(replace(base, max_memory=ps["size"] - 1), path) as (ps, handle):
-        assert getattr(handle._session, "_batcher", None) is None  # no batch context
-    assert ps["parallel"] == 1 and ps["size"] == need
+    stream, loads = est.kv_cache_bytes, []
+    for room, fit in ((need + 2 * stream, 2), (need + 2 * stream - 1, 1)):
+        with _load_on_request(replace(base, max_memory=room), path, loads) as (ps, handle):
+            batcher = getattr(handle._session, "_batcher", None)
+            streams = batcher.capacity if batcher is not None else 0
+        assert ps["parallel"] == fit and streams == (fit if fit > 1 else 0)
+        assert ps["size"] == need + streams * stream <= room
+    assert loads == [path, path]  # once per server: never loaded again without a batcher
 
 
 @pytest.mark.skipif(importlib.util.find_spec("openvino_genai") is None,
@@ -304,9 +319,11 @@ def test_openvino_counts_one_kv_cache_whatever_runs_at_once(tmp_path: Path) -> N
 
 @pytest.mark.skipif(not HAVE_LLAMA, reason="llama-cpp-python is not installed "
                     "(pip install 'localrun[llama-cpp]')")
-def test_a_model_named_at_start_drops_a_batch_context_memory_cannot_hold() -> None:
-    """The same for a model named on the command line (loaded before serving)."""
-    from localrun.server.manager import ModelManager, estimate_bytes
+def test_a_model_named_at_start_sizes_its_batch_context_to_memory() -> None:
+    """The same for a model named on the command line (loaded before serving): as many
+    KV streams as --max-memory holds beside it, none where it holds one request."""
+    import localrun
+    from localrun.server.manager import ModelManager, _estimate_path, estimate_bytes
     from localrun.server.metrics import Metrics
     from tests.models import test_model
 
@@ -314,9 +331,23 @@ def test_a_model_named_at_start_drops_a_batch_context_memory_cannot_hold() -> No
     config = ServerConfig(context=512, keep_alive=None, parallel=N)
     need = estimate_bytes(path, None, config)
     assert need
-    (m,) = ModelManager(replace(config, max_memory=need), Metrics()).preload((path,))
-    try:
-        assert getattr(m.handle._session, "_batcher", None) is None  # no batch context
-        assert m.slots == 1 and m.size == need
-    finally:
-        m.handle.close()
+    loads: list[str] = []
+
+    def load(name: str) -> Any:
+        loads.append(name)
+        return localrun.load(name, context=512)
+
+    one = _estimate_path(path, 512, "llama.cpp", "cpu")
+    assert one is not None and one.total_bytes == need
+    stream = one.kv_cache_bytes  # a KV stream holds the session's whole context
+    for room, fit in ((need + 3 * stream, 3), (need + stream, 1)):
+        manager = ModelManager(replace(config, max_memory=room), Metrics())
+        (m,) = manager.preload((path,), load=load)
+        try:
+            batcher = getattr(m.handle._session, "_batcher", None)
+            streams = batcher.capacity if batcher is not None else 0
+            assert m.slots == fit and streams == (fit if fit > 1 else 0)
+            assert m.size == need + streams * stream <= room
+        finally:
+            m.handle.close()
+    assert loads == [path, path]  # once each: never loaded again without a batcher

@@ -107,3 +107,16 @@ def test_help_imports_no_web_stack(argv: list[str]) -> None:
                      "--parallel", "--request-timeout", "--drain-timeout"):
             assert flag in text, flag
         assert str(DEFAULT_PORT) in text
+
+
+def test_an_openvino_ir_without_config_json_counts_its_kv_cache() -> None:
+    """serve's memory accounting of an IR folder without config.json (the test fixture's
+    GGUF export): its KV cache from the IR's state, in OpenVINO's f32 on the CPU, not
+    unknown (0 bytes)."""
+    from localrun.memory import ModelShape, kv_cache_bytes
+    from localrun.server.manager import _estimate_path
+    from tests.models import test_model
+
+    est = _estimate_path(str(test_model("openvino-int4")), 512, "openvino", "CPU")
+    assert est is not None and est.kv_known
+    assert est.kv_cache_bytes == kv_cache_bytes(ModelShape(30, 3, 64), 512, 4) > 0

@@ -145,6 +145,19 @@ class Session(ABC):
         it too."""
         return None
 
+    def batch_slots(self) -> tuple[int, int] | None:
+        """For an engine whose batcher holds memory per slot from the moment it is built
+        (llama.cpp's KV streams): the slots it would build now, within
+        :attr:`max_concurrency`, and the bytes each holds beyond the session's own,
+        without building it, so that a caller can size it first. None: building it
+        holds nothing up front (its ``capacity`` and ``reserved_bytes`` say the rest)."""
+        return None
+
+    #: Most memory (bytes) the session keeps between calls beyond its own KV cache, for
+    #: KV reuse: MLX's prompt caches of recent calls; 0 where the cells it reuses are in
+    #: a KV cache counted already (llama.cpp's context and batch slots, OpenVINO's pages).
+    kept_cache_bytes: int = 0
+
     #: Most sequences the session's user will run at once (``load(max_concurrency=)``,
     #: ``Model.limit_concurrency``), set by the driver before it first asks for the
     #: batcher; None: no limit. An engine whose batcher holds memory per slot (llama.cpp's

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from localrun.backends import engine_version
+from localrun.backends import engine_version, not_installed
 from localrun.backends.base import (
     Batcher,
     GenerationStats,
@@ -42,7 +42,7 @@ from localrun.backends.base import (
 )
 from localrun.backends.llama_cpp_batch import common_prefix, reusable_prefix
 from localrun.backends.llama_cpp_kv import KV_TYPES
-from localrun.errors import EngineNotInstalledError, LocalrunError, ModelFileError
+from localrun.errors import LocalrunError, ModelFileError
 from localrun.formats.gguf import GGUFInfo, read_gguf
 from localrun.memory import (
     Offload,
@@ -189,7 +189,7 @@ class LlamaCppSession(Session):
         try:
             import llama_cpp
         except ImportError as e:  # installed per metadata but broken
-            raise EngineNotInstalledError("llama.cpp", "llama-cpp", reason=str(e)) from e
+            raise not_installed("llama.cpp", reason=str(e)) from e
         self._lc = llama_cpp
         gguf = read_gguf(request.path)
         trained = gguf.context_length
@@ -411,6 +411,11 @@ class LlamaCppSession(Session):
             batcher = self._batcher = make_batcher(self)
             self.batch_alone = batcher is not None
         return batcher
+
+    def batch_slots(self) -> tuple[int, int] | None:
+        from localrun.backends.llama_cpp_batch import batch_slots
+
+        return batch_slots(self)
 
     def close(self) -> None:
         batcher = getattr(self, "_batcher", None)

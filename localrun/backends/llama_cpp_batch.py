@@ -566,14 +566,26 @@ def _masking(lc: Any, mask: TokenMask) -> Callable[[Any], None]:
 
 def make_batcher(session: LlamaCppSession) -> LlamaCppBatcher | None:
     """The batcher for a session: slots that fit, at most ``session.max_concurrency``."""
-    from localrun.memory import available_ram_bytes
-
-    n_ctx_seq = -(-int(session._llm.n_ctx()) // 256) * 256  # llama.cpp pads streams to 256
-    fit = batch_capacity(n_ctx_seq * kv_bytes_per_token(session), available_ram_bytes())
-    capacity = min(fit, session.max_concurrency or MAX_CAPACITY)  # each slot costs a stream
+    capacity, _ = batch_slots(session)
     if capacity < 2:
         return None
-    return LlamaCppBatcher(session, capacity, n_ctx_seq)
+    return LlamaCppBatcher(session, capacity, _stream_tokens(session))
+
+
+def batch_slots(session: LlamaCppSession) -> tuple[int, int]:
+    """The slots :func:`make_batcher` would build now (those that fit, at most
+    ``session.max_concurrency``; under 2: no batcher) and the bytes of KV cache each
+    holds (a stream of the session's whole context), without building it."""
+    from localrun.memory import available_ram_bytes
+
+    stream = _stream_tokens(session) * kv_bytes_per_token(session)
+    fit = batch_capacity(stream, available_ram_bytes())
+    return min(fit, session.max_concurrency or MAX_CAPACITY), stream  # a stream per slot
+
+
+def _stream_tokens(session: LlamaCppSession) -> int:
+    """Tokens of one slot's KV stream: the session's context (llama.cpp pads it to 256)."""
+    return -(-int(session._llm.n_ctx()) // 256) * 256
 
 
 def kv_bytes_per_token(session: LlamaCppSession) -> int:

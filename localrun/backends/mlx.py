@@ -60,7 +60,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from localrun.backends import engine_version
+from localrun.backends import engine_version, not_installed
 from localrun.backends._worker import Relay, Worker
 from localrun.backends.base import (
     Batcher,
@@ -88,7 +88,6 @@ from localrun.backends.mlx_batch import (
 from localrun.errors import (
     ChatTemplateError,
     ConstrainedDecodingUnavailableError,
-    EngineNotInstalledError,
     LocalrunError,
     ModelFileError,
 )
@@ -149,6 +148,18 @@ NATIVE_DEVICE = "metal" if sys.platform == "darwin" else "cpu"
 DEVICE_WORDS: dict[str, tuple[str, ...]] = {"metal": ("metal", "gpu", "mps"), "cpu": ("cpu",)}
 
 
+def _context_kv_bytes(config: dict[str, Any], context: int, device: str) -> int | None:
+    """Bytes of a prompt cache of ``context`` tokens (rounded up to mlx-lm's KVCache
+    steps of 256), as the memory estimate counts MLX's KV cache; None: shape unknown."""
+    from localrun.memory import estimate, shape_from_config
+
+    shape = shape_from_config(config)
+    if shape is None:
+        return None
+    return estimate(0, shape, -(-context // 256) * 256, backend="mlx",
+                    device=device).kv_cache_bytes
+
+
 def _device(requested: str | None) -> str:
     """The device mlx runs on; any other request is an error, not a silent CPU run."""
     if requested is None or requested.strip().lower() in DEVICE_WORDS[NATIVE_DEVICE]:
@@ -174,7 +185,7 @@ class MLXSession(Session):
             import mlx_lm
             from mlx_lm.generate import generate_step
         except ImportError as e:  # installed per metadata but broken
-            raise EngineNotInstalledError("MLX", "mlx", reason=str(e)) from e
+            raise not_installed("mlx", reason=str(e)) from e
         self._mx = mx
         self._generate_step = generate_step
         self._worker: Worker | None = _shared_worker()
@@ -211,6 +222,8 @@ class MLXSession(Session):
             name=str(config.get("_name_or_path") or path.name),
             device=device,
         )
+        self.kept_cache_bytes = self._prefixes.most_bytes(_context_kv_bytes(
+            config, self.info.context_length or 0, device))
 
     # -- encoding ---------------------------------------------------------------------
 

@@ -193,6 +193,15 @@ class PrefixCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries)
 
+    def most_bytes(self, context_bytes: int | None) -> int:
+        """The most the kept caches take together, for a model whose cache of its whole
+        context (rounded up to mlx-lm's 256-token steps) is ``context_bytes`` (None:
+        unknown, the budget): an entry holds at most that, older entries stay only
+        while all fit the budget, and the newest stays whatever its size."""
+        if context_bytes is None:
+            return self._budget
+        return min(self._max * context_bytes, max(self._budget, context_bytes))
+
     def borrow(self, tokens: Sequence[int]) -> tuple[list[Any], int]:
         """A prompt cache for ``tokens`` and how many of them it already holds (0: a new
         empty cache). At least the last token is left to prefill: its logits give the

@@ -78,7 +78,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from localrun.backends import engine_version
+from localrun.backends import engine_version, not_installed
 from localrun.backends.base import (
     GenerationStats,
     LoadRequest,
@@ -99,7 +99,6 @@ from localrun.backends.onnx_devices import config_device, parse_device, require_
 from localrun.errors import (
     ChatTemplateError,
     ConstrainedDecodingUnavailableError,
-    EngineNotInstalledError,
     GenerationError,
     LocalrunError,
     ModelFileError,
@@ -168,7 +167,7 @@ class OnnxGenAISession(Session):
         try:
             import onnxruntime_genai as og
         except ImportError as e:  # installed per metadata but broken
-            raise EngineNotInstalledError("ONNX Runtime GenAI", "onnx", reason=str(e)) from e
+            raise not_installed("onnx", reason=str(e)) from e
         self._og = og
         self._gen: Any = None  # the kept og.Generator (module docstring)
         self._gen_tokens = 0  # the tokens its KV buffer holds

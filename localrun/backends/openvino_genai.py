@@ -46,7 +46,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from localrun.backends import engine_version
+from localrun.backends import engine_version, not_installed
 from localrun.backends._worker import Relay
 from localrun.backends.base import (
     Batcher,
@@ -67,7 +67,6 @@ from localrun.backends.hf_config import (
 from localrun.errors import (
     ChatTemplateError,
     ContextOverflowError,
-    EngineNotInstalledError,
     LocalrunError,
     ModelFileError,
 )
@@ -194,7 +193,7 @@ class OpenVINOSession(Session):
         try:
             import openvino_genai as ov_genai
         except ImportError as e:  # installed per metadata but broken
-            raise EngineNotInstalledError("OpenVINO GenAI", "openvino", reason=str(e)) from e
+            raise not_installed("openvino", reason=str(e)) from e
         self._og = ov_genai
         device = ov_device(request.device)
         options = check_options("openvino", request.options)

@@ -39,12 +39,12 @@ from typing import Any
 
 import httpx2
 
+from localrun.backends import not_installed
 from localrun.backends.base import LoadRequest, Session, check_options
 from localrun.backends.remote import OpenAIClient, RemoteSession
 from localrun.backends.vllm_env import INSTALL_HINT, VllmEnv, find_vllm
 from localrun.errors import (
     ConstrainedDecodingUnavailableError,
-    EngineNotInstalledError,
     VllmStartError,
 )
 from localrun.structured.constraint import Constraint
@@ -291,8 +291,8 @@ class VllmSession(RemoteSession):
         opts = check_options("vllm", request.options)
         env = find_vllm(opts.pop("vllm_python", None))
         if env is None:
-            err = EngineNotInstalledError(
-                "vLLM", "vllm",
+            err = not_installed(
+                "vllm",
                 reason="no vLLM found: no --vllm-python, no LOCALRUN_VLLM_PYTHON, no `vllm` "
                 "on PATH")
             err.hint = INSTALL_HINT + "; for tests on a CPU: python scripts/make_vllm_env.py"

@@ -236,6 +236,13 @@ class Driver:
         batcher = self._batcher if self._batching() else None
         return batcher.reserved_bytes if batcher is not None else 0
 
+    def batch_slots(self) -> tuple[int, int] | None:
+        """The session's :meth:`~localrun.backends.base.Session.batch_slots` while its
+        batcher is not built yet; None once it is (asking :meth:`capacity` and
+        :meth:`batch_reserved_bytes` then builds nothing)."""
+        with self.exclusive() as session:
+            return None if self._can_batch is not None else session.batch_slots()
+
     def count_tokens(self, text: str) -> int:
         with self.exclusive() as session:
             return session.count_tokens(text)

@@ -8,8 +8,12 @@ at once, together in its engine's batch; any other runs one at a time. At most
 as its weights, overhead and one KV cache, plus what its engine's batcher holds beyond
 that to run several at once (``Model.batch_reserved_bytes``: llama.cpp's batch context;
 nothing where the sequences share the model's KV cache; where it is not fixed, one more
-KV cache per slot). Idle models unload after their keep-alive, and when a model about
-to load would not fit, idle models go first, least recently used first.
+KV cache per slot), and what its engine keeps between calls for KV reuse
+(``Model.kept_cache_bytes``: MLX's prompt caches). A batcher that holds memory per slot
+from the start (llama.cpp's: a KV stream each, ``Model.batch_slots``) is sized to what
+memory holds before it is built (``Model.limit_concurrency``; none at all when only one
+request fits). Idle models unload after their keep-alive, and when a model about to
+load would not fit, idle models go first, least recently used first.
 
 All bookkeeping happens on the event loop thread; engines load, run and close in
 worker threads.
@@ -148,13 +152,10 @@ class ModelManager:
         ``load(name)`` is the CLI's loader (download progress on the terminal)."""
         out = []
         for name in names:
-            def again(name: str = name) -> Any:
-                return load(name) if load else self._loader(name, self.config, None)
-
             t0 = time.monotonic()
-            handle = again()
+            handle = load(name) if load else self._loader(name, self.config, None)
             out.append(self._register(name, "chat", None, handle, time.monotonic() - t0,
-                                      pinned=True, size=None, reload=again))
+                                      pinned=True, size=None))
         return out
 
     # -- using a model ----------------------------------------------------------------
@@ -252,13 +253,12 @@ class ModelManager:
             seconds = time.monotonic() - t0
             try:
                 est = await asyncio.to_thread(_estimate_loaded, handle.info, context)
-                want = await asyncio.to_thread(self._slots, name, kind, handle)
-                reserved = await asyncio.to_thread(_reserved, handle, want)
-                slots = await self._room_for_slots(name, need, est, want, reserved)
-                if slots < want and reserved:  # a batcher memory cannot hold: drop it
-                    await asyncio.to_thread(handle.close)
-                    handle = await asyncio.to_thread(loader, name, self.config, context)
-                    reserved = 0
+                kv = est.kv_cache_bytes if est is not None else 0
+                base = need if need is not None else (est.total_bytes if est is not None else 0)
+                batch = await asyncio.to_thread(self._wanted, name, kind, handle)
+                slots = await self._room_for_slots(name, base, kv, batch)
+                slots, reserved = await asyncio.to_thread(self._settle, name, handle,
+                                                          batch, slots)
             except BaseException:
                 await asyncio.to_thread(handle.close)
                 raise
@@ -268,28 +268,24 @@ class ModelManager:
     def _register(self, name: str, kind: Kind, context: int | None, handle: Any,
                   seconds: float, *, pinned: bool, size: int | None,
                   slots: int | None = None, estimate: MemoryEstimate | None = None,
-                  reserved: int | None = None, reload: Callable[[], Any] | None = None
-                  ) -> Loaded:
+                  reserved: int | None = None) -> Loaded:
         """Make a loaded ``handle`` servable. ``size``: its estimate for one sequence
         (None: from its files); ``reserved``: what its batcher holds beyond that (see
         :func:`_footprint`). ``slots`` None: decided here, as many as ``--parallel`` asks
         and memory holds beside the models loaded (none unload: this is for the models
-        named on the command line, before serving); a batcher memory cannot hold goes
-        with ``reload()`` (the model loaded again), which then runs one at a time."""
+        named on the command line, before serving), as :meth:`_load` decides them."""
         est = estimate or _estimate_loaded(handle.info, context)
         if size is None:
             size = est.total_bytes if est is not None else 0
         kv = est.kv_cache_bytes if est is not None else 0
         if slots is None:
-            want = self._slots(name, kind, handle)
-            reserved = _reserved(handle, want)
-            slots = self._most_slots(name, size, kv, want, reserved, 0)
-            if slots < want and reserved and reload is not None:
-                handle.close()
-                handle, reserved = reload(), 0
+            batch = self._wanted(name, kind, handle)
+            slots = self._most_slots(name, size, kv, batch, 0)
+            slots, reserved = self._settle(name, handle, batch, slots)
         info: ModelInfo = handle.info
+        size = _footprint(size, kv, slots, reserved) + _kept(handle, kind)
         m = Loaded(name=name, kind=kind, context=context, handle=handle, info=info,
-                   size=_footprint(size, kv, slots, reserved), pinned=pinned,
+                   size=size, pinned=pinned,
                    keep_alive=self.config.keep_alive, load_seconds=seconds, slots=slots)
         self.models[m.key] = m
         self.metrics.models_loaded.set(len(self.models))
@@ -298,60 +294,81 @@ class ModelManager:
                  else f"runs up to {slots} requests at once")
         return m
 
-    def _slots(self, name: str, kind: Kind, handle: Any) -> int:
-        """Requests ``handle`` runs at once: ``--parallel`` (by default
+    def _wanted(self, name: str, kind: Kind, handle: Any) -> _Batch:
+        """Requests ``handle`` would run at once: ``--parallel`` (by default
         :data:`DEFAULT_PARALLEL_CPU` on the CPU, the engine's capacity elsewhere), at
-        most what its engine batches (``Model.max_concurrency``); 1 for an engine that
-        runs one sequence at a time, and for embedders. Asking builds the engine's
-        batcher (llama.cpp's is a second context), so ``--parallel 1`` does not ask, and
-        the model is told first how many it will run (``Model.limit_concurrency``):
-        llama.cpp's batch context then holds a KV stream for each of those, no more."""
-        parallel = self.config.parallel
+        most what its engine batches; 1 for an engine that runs one sequence at a time,
+        and for embedders. The model is told first (``Model.limit_concurrency``), so
+        that its batcher holds no more slots than that. One that would hold memory per
+        slot from the start (llama.cpp's batch context) is not built here: its slots
+        and their bytes are known without it (``Model.batch_slots``), and
+        :meth:`_settle` builds it once memory has had its say. Any other is built to
+        learn its capacity (that holds nothing up front); ``--parallel 1`` builds none."""
+        parallel, kept = self.config.parallel, _kept(handle, kind)
         if kind != "chat" or parallel == 1:
-            return 1
+            return _Batch(1, kept=kept)
         if parallel is None and (handle.info.device or "cpu").lower() == "cpu":
             parallel = DEFAULT_PARALLEL_CPU
         try:
             if parallel is not None:
                 handle.limit_concurrency(parallel)
+            plan: tuple[int, int] | None = handle.batch_slots
+            if plan is not None:
+                capacity, per_slot = plan
+                return _Batch(max(1, min(capacity, parallel or capacity)), per_slot,
+                              kept=kept)
             capacity = max(1, int(handle.max_concurrency))
+            want = min(parallel, capacity) if parallel is not None else capacity
+            return _Batch(want, reserved=handle.batch_reserved_bytes if want > 1 else 0,
+                          kept=kept)
         except LocalrunError as e:  # the batcher could not be built: one at a time
             log.warning("%s runs one request at a time: %s", name, e)
-            return 1
-        return min(parallel, capacity) if parallel is not None else capacity
+            return _Batch(1, kept=kept)
 
-    async def _room_for_slots(self, name: str, need: int | None, est: MemoryEstimate | None,
-                              slots: int, reserved: int | None) -> int:
-        """Room for a model just loaded (``need`` bytes for one sequence) to run
-        ``slots`` at once (:func:`_footprint`): idle models unload, least recently used
-        first; what memory still cannot hold runs fewer at once."""
-        kv = est.kv_cache_bytes if est is not None else 0
-        base = need if need is not None else (est.total_bytes if est is not None else 0)
-        size, held = _footprint(base, kv, slots, reserved), base + (reserved or 0)
+    def _settle(self, name: str, handle: Any, batch: _Batch, slots: int
+                ) -> tuple[int, int | None]:
+        """Build the batcher of a model that runs ``slots`` of ``batch.want`` at once,
+        where :meth:`_wanted` left it unbuilt, with those slots (none for 1); the slots
+        it runs and what its batcher holds (:func:`_footprint`)."""
+        if not batch.per_slot:
+            return slots, batch.reserved_at(slots)
+        try:
+            handle.limit_concurrency(slots)  # the batch context's KV streams; 1: none
+            if slots > 1:  # built now: memory may hold fewer than when it was planned
+                slots = min(slots, max(1, int(handle.max_concurrency)))
+            reserved: int | None = handle.batch_reserved_bytes if slots > 1 else 0
+        except LocalrunError as e:
+            log.warning("%s runs one request at a time: %s", name, e)
+            return 1, 0
+        return slots, reserved
+
+    async def _room_for_slots(self, name: str, base: int, kv: int, batch: _Batch) -> int:
+        """Room for a model just loaded (``base`` bytes for one sequence) to run
+        ``batch.want`` at once (:func:`_footprint`): idle models unload, least recently
+        used first; what memory still cannot hold runs fewer at once."""
+        slots = batch.want
+        size = batch.size(base, kv, slots)
         freed = 0
-        while slots > 1 and not self._fits(size, freed, loaded=held):
+        while slots > 1 and not self._fits(size, freed, loaded=base):
             victim = self._lru_idle()
             if victim is None:
                 break
             freed += victim.size
             await self._unload(victim, f"least recently used; {name} runs {slots} requests "
                                f"at once in {size / 2**30:.2f} GiB")
-        return self._most_slots(name, base, kv, slots, reserved, freed)
+        return self._most_slots(name, base, kv, batch, freed)
 
-    def _most_slots(self, name: str, base: int, kv: int, slots: int, reserved: int | None,
-                    freed: int) -> int:
-        """The most of ``slots`` a model (``base`` bytes for one sequence, loaded, and
-        ``reserved`` held by its batcher) runs at once beside the others
-        (:func:`_footprint`); 1 where what its batcher holds does not fit."""
-        held = base + (reserved or 0)  # in memory already
-        fit = slots
-        while fit > 1 and not self._fits(_footprint(base, kv, fit, reserved), freed,
-                                         loaded=held):
+    def _most_slots(self, name: str, base: int, kv: int, batch: _Batch, freed: int) -> int:
+        """The most of ``batch.want`` a model (``base`` bytes for one sequence, loaded)
+        runs at once beside the others (:func:`_footprint`); 1 where no batcher fits.
+        What its batcher holds is not in memory yet, or is counted in ``base``."""
+        fit = batch.want
+        while fit > 1 and not self._fits(batch.size(base, kv, fit), freed, loaded=base):
             fit -= 1
-        if fit < slots:
+        if fit < batch.want:
             log.warning("%s runs %d requests at once, not %d: memory cannot hold the "
-                        "%.2f GiB that takes", name, fit, slots,
-                        _footprint(base, kv, slots, reserved) / 2**30)
+                        "%.2f GiB that takes", name, fit, batch.want,
+                        batch.size(base, kv, batch.want) / 2**30)
         return fit
 
     def _fits(self, need: int, freed: int, *, loaded: int = 0) -> bool:
@@ -509,13 +526,33 @@ def _footprint(base: int, kv: int, slots: int, reserved: int | None) -> int:
     return base + (reserved if reserved is not None else (slots - 1) * kv)
 
 
-def _reserved(handle: Any, slots: int) -> int | None:
-    """What the batcher of a model running ``slots`` at once holds beyond the model's
-    own memory; 0 at one slot (none was asked for)."""
-    if slots == 1:
-        return 0
-    reserved: int | None = handle.batch_reserved_bytes
-    return reserved
+@dataclass(frozen=True)
+class _Batch:
+    """What a model just loaded would run at once (``want``), and what its batcher holds
+    beyond the model's own: ``per_slot`` bytes for each slot, where it is not built yet
+    and will hold that from the start (llama.cpp's KV streams); else ``reserved``, what
+    the batcher built holds (see :func:`_footprint`). ``kept``: what the engine keeps
+    between calls for KV reuse (``Model.kept_cache_bytes``)."""
+
+    want: int
+    per_slot: int = 0
+    reserved: int | None = 0
+    kept: int = 0
+
+    def reserved_at(self, slots: int) -> int | None:
+        """What the batcher holds with ``slots`` of them (none at 1: none is built)."""
+        if slots == 1:
+            return 0
+        return slots * self.per_slot if self.per_slot else self.reserved
+
+    def size(self, base: int, kv: int, slots: int) -> int:
+        """Bytes the model runs ``slots`` at once in (``base``: for one sequence)."""
+        return _footprint(base, kv, slots, self.reserved_at(slots)) + self.kept
+
+
+def _kept(handle: Any, kind: Kind) -> int:
+    """What a chat model keeps between calls beyond its KV cache (embedders: nothing)."""
+    return int(handle.kept_cache_bytes) if kind == "chat" else 0
 
 
 def _available_ram() -> int:
@@ -562,11 +599,13 @@ def _estimate_path(path: str, context: int | None, backend: str | None = None,
                    device: str | None = None) -> MemoryEstimate | None:
     """The memory of the model at ``path`` on ``backend`` (on ``device``): its KV cache
     in the element size that engine allocates there, and its overhead."""
+    from localrun.formats.detect import OPENVINO_MODEL_FILES
     from localrun.memory import (
         context_window,
         estimate,
         shape_from_config,
         shape_from_gguf_metadata,
+        shape_from_openvino_ir,
     )
 
     p = Path(path)
@@ -584,6 +623,10 @@ def _estimate_path(path: str, context: int | None, backend: str | None = None,
                     shape = shape_from_config(json.loads((p / cfg).read_text("utf-8")))
                     if shape is not None:
                         break
+            for ir in OPENVINO_MODEL_FILES if shape is None else ():
+                if (p / ir).is_file():  # an IR without its config.json: its KV state
+                    shape = shape_from_openvino_ir((p / ir).read_text("utf-8", "replace"))
+                    break
     except (OSError, ValueError, LocalrunError):
         return None
     ctx = context_window(context, shape.trained_context if shape else None)

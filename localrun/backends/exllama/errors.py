@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from localrun.backends import not_installed
 from localrun.backends.exllama.options import title
 from localrun.errors import (
-    EngineNotInstalledError,
     EngineUnavailableError,
     GenerationError,
     LocalrunError,
@@ -30,7 +30,7 @@ def engine_import_error(engine: str, error: BaseException) -> LocalrunError:
     text = _first_line(error, 200)
     if isinstance(error, ModuleNotFoundError) or (
             isinstance(error, RuntimeError) and "PyTorch is required" in text):
-        return EngineNotInstalledError(title(engine), engine, reason=text)
+        return not_installed(engine, reason=text)
     return EngineUnavailableError(
         engine,
         f"needs an NVIDIA GPU with CUDA (or an AMD GPU with ROCm), and importing "
