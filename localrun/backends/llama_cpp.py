@@ -42,6 +42,7 @@ from localrun.backends.base import (
 )
 from localrun.backends.llama_cpp_batch import common_prefix, reusable_prefix
 from localrun.backends.llama_cpp_kv import KV_TYPES
+from localrun.backends.openmp import release_pool
 from localrun.errors import LocalrunError, ModelFileError
 from localrun.formats.gguf import GGUFInfo, read_gguf
 from localrun.memory import (
@@ -348,6 +349,7 @@ class LlamaCppSession(Session):
             stats.prefill_seconds = perf.t_p_eval_ms / 1000.0
             stats.decode_tokens = int(perf.n_eval)
             stats.decode_seconds = perf.t_eval_ms / 1000.0
+            release_pool()  # this thread may not decode again soon (openmp.py)
 
     def _keep_cells(self, tokens: Sequence[int]) -> None:
         """Keep the cells of the last prompt that this prompt may keep, feed what
@@ -408,7 +410,10 @@ class LlamaCppSession(Session):
         if batcher is None and getattr(self, "_llm", None) is not None:
             from localrun.backends.llama_cpp_batch import make_batcher
 
-            batcher = self._batcher = make_batcher(self)
+            try:
+                batcher = self._batcher = make_batcher(self)
+            finally:
+                release_pool()  # its calibration decoded here; steps run on the engine thread
             self.batch_alone = batcher is not None
         return batcher
 

@@ -133,7 +133,12 @@ class LlamaEmbedder(Embedder):
         return len(self._llm.tokenize(text.encode("utf-8")))
 
     def _embed(self, texts: list[str]) -> list[list[float]]:
-        out: Any = self._llm.embed(texts, normalize=True, truncate=True)
+        from localrun.backends.openmp import release_pool
+
+        try:
+            out: Any = self._llm.embed(texts, normalize=True, truncate=True)
+        finally:
+            release_pool()  # a request's worker thread: its pool would outlive it idle
         return [list(map(float, v)) for v in out]
 
     def close(self) -> None:

@@ -1,0 +1,69 @@
+"""llama.cpp's OpenMP worker pools (localrun/backends/openmp.py): a thread that is done
+with llama.cpp keeps none, so that the driver's engine thread's pool is the only one
+and libgomp keeps spinning at its barriers (with more pool threads than CPUs it sleeps
+at each of a decode step's hundreds of barriers: 4 sequences decoded together fell from
+188 to 122 tokens/s on 2 cores)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from tests.conftest import requires_llama
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _on_a_live_thread(work: Callable[[], Any]) -> tuple[int, int]:
+    """The process's thread count before and after ``work`` ran on a worker thread that
+    is still alive when counted (its OpenMP pool, if kept, is counted too)."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: None).result()
+        before = _threads()
+        pool.submit(work).result()
+        return before, _threads()
+
+
+@pytest.fixture(scope="module")
+def two_threads(default_gguf: Any) -> Any:
+    import localrun
+    from localrun.backends.openmp import _mapped_libgomp
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("counts threads through /proc (Linux)")
+    with localrun.load(str(default_gguf), backend="llama.cpp", context=512, threads=2) as m:
+        m.complete("Hello", max_tokens=2, temperature=0)  # llama.cpp has loaded its runtime
+        if not _mapped_libgomp():
+            pytest.skip("this llama-cpp-python is not built with GNU OpenMP (libgomp)")
+        yield m
+
+
+@requires_llama
+def test_a_lone_call_leaves_no_openmp_workers_on_its_thread(two_threads: Any) -> None:
+    before, after = _on_a_live_thread(
+        lambda: two_threads.complete("Count to five:", max_tokens=8, temperature=0))
+    assert after == before
+
+
+@requires_llama
+def test_building_the_batcher_leaves_no_openmp_workers_on_its_thread(two_threads: Any
+                                                                      ) -> None:
+    """The batcher's calibration decodes on the thread that asks for it first."""
+    assert getattr(two_threads._session, "_batcher", None) is None
+    before, after = _on_a_live_thread(lambda: two_threads.max_concurrency)
+    assert getattr(two_threads._session, "_batcher", None) is not None
+    assert after == before
+
+
+@requires_llama
+def test_release_pool_is_harmless_without_a_pool() -> None:
+    from localrun.backends.openmp import release_pool
+
+    release_pool()  # nothing decoded on this thread: no pool to give back
+    release_pool()
