@@ -179,6 +179,7 @@ def main() -> None:
     from localrun.backends.base import LoadRequest
     from localrun.backends.llama_cpp import LlamaCppSession
     from localrun.backends.llama_cpp_batch import LlamaCppBatcher
+    from localrun.backends.openmp import release_pool
 
     path = args.model
     if path is None:
@@ -213,6 +214,9 @@ def main() -> None:
     for r in range(args.repeats):
         for n in args.levels:
             prompts = story_prompts(session, n, args.prompt)
+            if model is not None:  # its engine thread (and OpenMP pool) ends when idle
+                while model._driver._thread is not None:
+                    time.sleep(0.05)
             keep("in_turn", n, in_turn(session, prompts, args.tokens))
             batcher.together = calibrated
             keep("batched", n, batched(batcher, prompts, args.tokens)[0])
@@ -226,6 +230,9 @@ def main() -> None:
                                    "cpu": cpu - cpu_half,
                                    "wall": row["t_tg"] - row_half["t_tg"]})
             if model is not None:
+                # the engine modes decoded on this thread: its OpenMP pool goes, as
+                # localrun's own calls give theirs back (localrun/backends/openmp.py)
+                release_pool()
                 keep("api_in_turn", n, api(model, n, 1, args.tokens))
                 keep("api", n, api(model, n, n, args.tokens))
         print(f"round {r + 1}/{args.repeats} done", file=sys.stderr)
