@@ -335,7 +335,7 @@ def test_prompt_logits_bit_identical_to_the_single_path(session: Any, batcher: A
 
 
 def test_reusable_prefix() -> None:
-    from localrun.backends.llama_cpp_batch import reusable_prefix
+    from localrun.backends.llama_cpp_reuse import reusable_prefix
 
     def keep(n: int, common: int, cached: int | None = None) -> int:
         return reusable_prefix(n, common, 512, n if cached is None else cached)

@@ -226,10 +226,10 @@ def test_serve_counts_the_caches_it_keeps(model: Any) -> None:
                         "(pip install 'localrun[serve]')")
     from localrun.backends.mlx_batch import PREFIX_BYTES, PREFIX_ENTRIES
     from localrun.server.config import ServerConfig
-    from localrun.server.manager import _estimate_loaded
+    from localrun.server.sizing import estimate_loaded
     from tests.serverutil import serve
 
-    est = _estimate_loaded(model.info, None)
+    est = estimate_loaded(model.info, None)
     assert est is not None and est.kv_cache_bytes > 0 and model.info.context_length == 2048
     kept = min(PREFIX_ENTRIES * est.kv_cache_bytes, max(PREFIX_BYTES, est.kv_cache_bytes))
     assert model.kept_cache_bytes == kept

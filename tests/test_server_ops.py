@@ -275,7 +275,7 @@ def test_metrics_and_access_log(srv: Running, caplog: pytest.LogCaptureFixture) 
 
 
 def test_keep_alive_and_lru_unloading() -> None:
-    from localrun.server.manager import estimate_bytes
+    from localrun.server.sizing import estimate_bytes
     from tests.models import test_model
 
     small, large = str(test_model("gguf-q4_1")), str(test_model("gguf-q8_0"))

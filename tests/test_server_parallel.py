@@ -267,7 +267,8 @@ def test_llama_cpp_counts_the_batch_context_it_builds() -> None:
     holds fewer, the batch context is built with as many as fit, and where it holds not
     even two, none is built (one request at a time): sized before it is built, the model
     loaded once."""
-    from localrun.server.manager import DEFAULT_PARALLEL_CPU, _estimate_loaded, estimate_bytes
+    from localrun.server.manager import DEFAULT_PARALLEL_CPU
+    from localrun.server.sizing import estimate_bytes, estimate_loaded
     from tests.models import test_model
 
     path = str(test_model("gguf-q4_1"))
@@ -275,7 +276,7 @@ def test_llama_cpp_counts_the_batch_context_it_builds() -> None:
     need = estimate_bytes(path, None, base)  # weights, overhead, one KV cache
     for parallel, want in ((None, DEFAULT_PARALLEL_CPU), (3, 3)):
         with _load_on_request(replace(base, parallel=parallel), path) as (ps, handle):
-            est = _estimate_loaded(handle.info, None)
+            est = estimate_loaded(handle.info, None)
             streams = handle._session._batcher.capacity  # its batch context's KV streams
             reserved = handle.batch_reserved_bytes
         assert need and est is not None and est.kv_cache_bytes > 0
@@ -299,7 +300,7 @@ def test_openvino_counts_one_kv_cache_whatever_runs_at_once(tmp_path: Path) -> N
     """OpenVINO GenAI runs every sequence through the session's one pipeline, whose
     paged KV cache is one context's worth of blocks: requests at once share it, so a
     --max-memory that holds the model and one KV cache lets all N run."""
-    from localrun.server.manager import _estimate_path, estimate_bytes
+    from localrun.server.sizing import estimate_bytes, estimate_path
     from tests.models import test_model
 
     # the IR with the model's config.json beside it, as OpenVINO's repos ship it (the
@@ -310,7 +311,7 @@ def test_openvino_counts_one_kv_cache_whatever_runs_at_once(tmp_path: Path) -> N
     path = str(tmp_path)
     config = ServerConfig(context=512, keep_alive=None, parallel=N)
     need = estimate_bytes(path, None, config)  # weights, overhead, one KV cache
-    one = _estimate_path(path, 512, "openvino", "CPU")
+    one = estimate_path(path, 512, "openvino", "CPU")
     assert need and one is not None and need == one.total_bytes and one.kv_cache_bytes > 0
     with _load_on_request(replace(config, max_memory=need), path) as (ps, handle):
         assert handle.info.backend == "openvino" and handle.batch_reserved_bytes == 0
@@ -323,8 +324,9 @@ def test_a_model_named_at_start_sizes_its_batch_context_to_memory() -> None:
     """The same for a model named on the command line (loaded before serving): as many
     KV streams as --max-memory holds beside it, none where it holds one request."""
     import localrun
-    from localrun.server.manager import ModelManager, _estimate_path, estimate_bytes
+    from localrun.server.manager import ModelManager
     from localrun.server.metrics import Metrics
+    from localrun.server.sizing import estimate_bytes, estimate_path
     from tests.models import test_model
 
     path = str(test_model("gguf-q4_1"))
@@ -337,7 +339,7 @@ def test_a_model_named_at_start_sizes_its_batch_context_to_memory() -> None:
         loads.append(name)
         return localrun.load(name, context=512)
 
-    one = _estimate_path(path, 512, "llama.cpp", "cpu")
+    one = estimate_path(path, 512, "llama.cpp", "cpu")
     assert one is not None and one.total_bytes == need
     stream = one.kv_cache_bytes  # a KV stream holds the session's whole context
     for room, fit in ((need + 3 * stream, 3), (need + stream, 1)):

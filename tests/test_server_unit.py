@@ -114,9 +114,9 @@ def test_an_openvino_ir_without_config_json_counts_its_kv_cache() -> None:
     GGUF export): its KV cache from the IR's state, in OpenVINO's f32 on the CPU, not
     unknown (0 bytes)."""
     from localrun.memory import ModelShape, kv_cache_bytes
-    from localrun.server.manager import _estimate_path
+    from localrun.server.sizing import estimate_path
     from tests.models import test_model
 
-    est = _estimate_path(str(test_model("openvino-int4")), 512, "openvino", "CPU")
+    est = estimate_path(str(test_model("openvino-int4")), 512, "openvino", "CPU")
     assert est is not None and est.kv_known
     assert est.kv_cache_bytes == kv_cache_bytes(ModelShape(30, 3, 64), 512, 4) > 0

@@ -40,8 +40,8 @@ from localrun.backends.base import (
     Session,
     check_options,
 )
-from localrun.backends.llama_cpp_batch import common_prefix, reusable_prefix
 from localrun.backends.llama_cpp_kv import KV_TYPES
+from localrun.backends.llama_cpp_reuse import common_prefix, reusable_prefix
 from localrun.backends.openmp import release_pool
 from localrun.errors import LocalrunError, ModelFileError
 from localrun.formats.gguf import GGUFInfo, read_gguf

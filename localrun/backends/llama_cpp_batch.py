@@ -61,10 +61,11 @@ from __future__ import annotations
 import codecs
 import ctypes
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import Batcher, GenerationStats, Prompt
+from localrun.backends.llama_cpp_reuse import common_prefix, reusable_prefix
 from localrun.errors import GenerationError, LocalrunError
 from localrun.sampling import ResolvedSampling
 from localrun.structured.grammar import TokenMask
@@ -85,64 +86,10 @@ KV_BUDGET = 2 << 30
 MIN_REUSE = 32
 #: Prompt tokens a copy of another slot's cells must save to be worth its memcpy.
 MIN_COPY = 32
-#: Query rows from which llama.cpp's CPU flash attention takes its tiled kernel
-#: (GGML_FA_TILE_Q in ggml-cpu/common.h); see reusable_prefix.
-TILE = 64
-#: Prompt tokens compared at once when looking for a common prefix (C-speed slices).
-_CHUNK = 256
-
-
 def batch_capacity(stream_bytes: int, available: int | None) -> int:
     """Slots that fit: each holds ``stream_bytes`` of KV cache (the session's context)."""
     budget = KV_BUDGET if available is None else min(KV_BUDGET, available // 4)
     return int(min(MAX_CAPACITY, budget // max(stream_bytes, 1)))
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n:  # whole chunks compared as slices, then the first differing one by token
-        j = min(i + _CHUNK, n)
-        if a[i:j] == b[i:j]:
-            i = j
-            continue
-        while a[i] == b[i]:
-            i += 1
-        return i
-    return n
-
-
-def reusable_prefix(n_prompt: int, common: int, chunk: int, cached_prompt: int) -> int:
-    """How many of a prompt's first ``common`` tokens may keep the cells a slot has for
-    them, so that feeding the rest in ``chunk``-aligned pieces computes every token as
-    ``Llama.generate`` does for the whole prompt (pieces of ``chunk`` tokens from 0).
-
-    llama.cpp's CPU flash attention computes a ubatch of :data:`TILE` or more tokens of a
-    stream with its tiled kernel and a shorter one row by row, which rounds differently
-    (logits apart by up to 1.1 on SmolLM2), and every layer's cells carry that. So only
-    the cells of the slot's own prompt count (its ``cached_prompt`` first tokens; a reply
-    was computed a token at a time), only in pieces computed with the kernel this
-    prompt's piece takes, a piece's tokens are recomputed in a ubatch of TILE or more if
-    the piece has that many, and of two or more if it has (a lone token of a stream
-    past 256 cells takes a split-KV kernel). The last prompt token is always fed (its
-    logits are drawn from)."""
-
-    def tiled(length: int, piece: int) -> bool:
-        return min(chunk, length - piece * chunk) >= TILE
-
-    keep = max(min(common, cached_prompt, n_prompt - 1), 0)
-    for piece in range(-(-keep // chunk)):
-        if tiled(cached_prompt, piece) != tiled(n_prompt, piece):
-            keep = piece * chunk
-            break
-    start = keep - keep % chunk  # the piece of the whole prompt that keep falls in
-    end = min(start + chunk, n_prompt)
-    if end - start >= TILE and end - keep < TILE:
-        keep = end - TILE
-    elif end - keep == 1 < end - start:  # one token alone takes a split-KV kernel
-        keep = end - 2
-    return keep
 
 
 class _Seq:

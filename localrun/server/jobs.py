@@ -23,8 +23,9 @@ from typing import Any, Literal
 
 from localrun.errors import IncompleteOutputError
 from localrun.server.errors import APIError
-from localrun.server.manager import Kind, Lease, Loaded, ModelManager
+from localrun.server.manager import Lease, Loaded, ModelManager
 from localrun.server.metrics import Metrics
+from localrun.server.sizing import Kind
 from localrun.server.state import state_of, to_api_error
 from localrun.types import CancelToken, Chunk, Completion
 

@@ -23,27 +23,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from localrun.errors import LocalrunError, ModelTooLargeError
 from localrun.server.config import ServerConfig
 from localrun.server.errors import APIError
 from localrun.server.metrics import Metrics
+from localrun.server.sizing import (
+    Batch,
+    Kind,
+    available_ram,
+    estimate_bytes,
+    estimate_loaded,
+    footprint,
+    kept_bytes,
+)
 from localrun.types import ModelInfo
 
 if TYPE_CHECKING:
     from localrun.memory import MemoryEstimate
 
 log = logging.getLogger("localrun.server")
-
-Kind = Literal["chat", "embed"]
 
 #: ``--parallel``'s default for a model on the CPU whose engine batches: requests it runs
 #: at once. A CPU's decode is bound by memory bandwidth: past a few sequences each reply
@@ -62,7 +67,7 @@ class Loaded:
     context: int | None  # the context asked for (None: the model's default)
     handle: Any
     info: ModelInfo
-    size: int  # bytes it is counted as (estimate, see _footprint)
+    size: int  # bytes it is counted as (estimate, see footprint)
     pinned: bool  # named on the command line: no keep-alive expiry
     keep_alive: float | None
     load_seconds: float
@@ -125,7 +130,7 @@ class ModelManager:
         self.metrics = metrics
         self._loader = loader or _load_chat
         self._embed_loader = embed_loader or _load_embed
-        self._available = available_memory or _available_ram
+        self._available = available_memory or available_ram
         self.models: dict[tuple[Kind, str, int | None], Loaded] = {}
         self._load_lock: asyncio.Lock | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -252,7 +257,7 @@ class ModelManager:
                     await self._unload(victim, f"to make room for {name}")
             seconds = time.monotonic() - t0
             try:
-                est = await asyncio.to_thread(_estimate_loaded, handle.info, context)
+                est = await asyncio.to_thread(estimate_loaded, handle.info, context)
                 kv = est.kv_cache_bytes if est is not None else 0
                 base = need if need is not None else (est.total_bytes if est is not None else 0)
                 batch = await asyncio.to_thread(self._wanted, name, kind, handle)
@@ -271,10 +276,10 @@ class ModelManager:
                   reserved: int | None = None) -> Loaded:
         """Make a loaded ``handle`` servable. ``size``: its estimate for one sequence
         (None: from its files); ``reserved``: what its batcher holds beyond that (see
-        :func:`_footprint`). ``slots`` None: decided here, as many as ``--parallel`` asks
+        :func:`footprint`). ``slots`` None: decided here, as many as ``--parallel`` asks
         and memory holds beside the models loaded (none unload: this is for the models
         named on the command line, before serving), as :meth:`_load` decides them."""
-        est = estimate or _estimate_loaded(handle.info, context)
+        est = estimate or estimate_loaded(handle.info, context)
         if size is None:
             size = est.total_bytes if est is not None else 0
         kv = est.kv_cache_bytes if est is not None else 0
@@ -283,7 +288,7 @@ class ModelManager:
             slots = self._most_slots(name, size, kv, batch, 0)
             slots, reserved = self._settle(name, handle, batch, slots)
         info: ModelInfo = handle.info
-        size = _footprint(size, kv, slots, reserved) + _kept(handle, kind)
+        size = footprint(size, kv, slots, reserved) + kept_bytes(handle, kind)
         m = Loaded(name=name, kind=kind, context=context, handle=handle, info=info,
                    size=size, pinned=pinned,
                    keep_alive=self.config.keep_alive, load_seconds=seconds, slots=slots)
@@ -294,7 +299,7 @@ class ModelManager:
                  else f"runs up to {slots} requests at once")
         return m
 
-    def _wanted(self, name: str, kind: Kind, handle: Any) -> _Batch:
+    def _wanted(self, name: str, kind: Kind, handle: Any) -> Batch:
         """Requests ``handle`` would run at once: ``--parallel`` (by default
         :data:`DEFAULT_PARALLEL_CPU` on the CPU, the engine's capacity elsewhere), at
         most what its engine batches; 1 for an engine that runs one sequence at a time,
@@ -304,9 +309,9 @@ class ModelManager:
         and their bytes are known without it (``Model.batch_slots``), and
         :meth:`_settle` builds it once memory has had its say. Any other is built to
         learn its capacity (that holds nothing up front); ``--parallel 1`` builds none."""
-        parallel, kept = self.config.parallel, _kept(handle, kind)
+        parallel, kept = self.config.parallel, kept_bytes(handle, kind)
         if kind != "chat" or parallel == 1:
-            return _Batch(1, kept=kept)
+            return Batch(1, kept=kept)
         if parallel is None and (handle.info.device or "cpu").lower() == "cpu":
             parallel = DEFAULT_PARALLEL_CPU
         try:
@@ -315,21 +320,21 @@ class ModelManager:
             plan: tuple[int, int] | None = handle.batch_slots
             if plan is not None:
                 capacity, per_slot = plan
-                return _Batch(max(1, min(capacity, parallel or capacity)), per_slot,
+                return Batch(max(1, min(capacity, parallel or capacity)), per_slot,
                               kept=kept)
             capacity = max(1, int(handle.max_concurrency))
             want = min(parallel, capacity) if parallel is not None else capacity
-            return _Batch(want, reserved=handle.batch_reserved_bytes if want > 1 else 0,
+            return Batch(want, reserved=handle.batch_reserved_bytes if want > 1 else 0,
                           kept=kept)
         except LocalrunError as e:  # the batcher could not be built: one at a time
             log.warning("%s runs one request at a time: %s", name, e)
-            return _Batch(1, kept=kept)
+            return Batch(1, kept=kept)
 
-    def _settle(self, name: str, handle: Any, batch: _Batch, slots: int
+    def _settle(self, name: str, handle: Any, batch: Batch, slots: int
                 ) -> tuple[int, int | None]:
         """Build the batcher of a model that runs ``slots`` of ``batch.want`` at once,
         where :meth:`_wanted` left it unbuilt, with those slots (none for 1); the slots
-        it runs and what its batcher holds (:func:`_footprint`)."""
+        it runs and what its batcher holds (:func:`footprint`)."""
         if not batch.per_slot:
             return slots, batch.reserved_at(slots)
         try:
@@ -342,9 +347,9 @@ class ModelManager:
             return 1, 0
         return slots, reserved
 
-    async def _room_for_slots(self, name: str, base: int, kv: int, batch: _Batch) -> int:
+    async def _room_for_slots(self, name: str, base: int, kv: int, batch: Batch) -> int:
         """Room for a model just loaded (``base`` bytes for one sequence) to run
-        ``batch.want`` at once (:func:`_footprint`): idle models unload, least recently
+        ``batch.want`` at once (:func:`footprint`): idle models unload, least recently
         used first; what memory still cannot hold runs fewer at once."""
         slots = batch.want
         size = batch.size(base, kv, slots)
@@ -358,9 +363,9 @@ class ModelManager:
                                f"at once in {size / 2**30:.2f} GiB")
         return self._most_slots(name, base, kv, batch, freed)
 
-    def _most_slots(self, name: str, base: int, kv: int, batch: _Batch, freed: int) -> int:
+    def _most_slots(self, name: str, base: int, kv: int, batch: Batch, freed: int) -> int:
         """The most of ``batch.want`` a model (``base`` bytes for one sequence, loaded)
-        runs at once beside the others (:func:`_footprint`); 1 where no batcher fits.
+        runs at once beside the others (:func:`footprint`); 1 where no batcher fits.
         What its batcher holds is not in memory yet, or is counted in ``base``."""
         fit = batch.want
         while fit > 1 and not self._fits(batch.size(base, kv, fit), freed, loaded=base):
@@ -515,120 +520,3 @@ def _refuse_embedding_model(name: str, config: ServerConfig) -> None:
         raise APIError(400, f"'{name}' is an embedding model: it cannot generate text; use it "
                        "with POST /v1/embeddings or /api/embed", param="model",
                        code="model_not_generative")
-
-
-def _footprint(base: int, kv: int, slots: int, reserved: int | None) -> int:
-    """Bytes a model runs ``slots`` sequences at once in: ``base`` (weights, overhead,
-    one KV cache) plus what its batcher holds beyond that (``reserved``: llama.cpp's
-    batch context, a KV cache per slot of its own; 0 where the sequences share the
-    model's KV cache), or where that is not fixed (None: MLX, each sequence's cache
-    growing with it), one KV cache of ``kv`` bytes per sequence beyond the first."""
-    return base + (reserved if reserved is not None else (slots - 1) * kv)
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """What a model just loaded would run at once (``want``), and what its batcher holds
-    beyond the model's own: ``per_slot`` bytes for each slot, where it is not built yet
-    and will hold that from the start (llama.cpp's KV streams); else ``reserved``, what
-    the batcher built holds (see :func:`_footprint`). ``kept``: what the engine keeps
-    between calls for KV reuse (``Model.kept_cache_bytes``)."""
-
-    want: int
-    per_slot: int = 0
-    reserved: int | None = 0
-    kept: int = 0
-
-    def reserved_at(self, slots: int) -> int | None:
-        """What the batcher holds with ``slots`` of them (none at 1: none is built)."""
-        if slots == 1:
-            return 0
-        return slots * self.per_slot if self.per_slot else self.reserved
-
-    def size(self, base: int, kv: int, slots: int) -> int:
-        """Bytes the model runs ``slots`` at once in (``base``: for one sequence)."""
-        return _footprint(base, kv, slots, self.reserved_at(slots)) + self.kept
-
-
-def _kept(handle: Any, kind: Kind) -> int:
-    """What a chat model keeps between calls beyond its KV cache (embedders: nothing)."""
-    return int(handle.kept_cache_bytes) if kind == "chat" else 0
-
-
-def _available_ram() -> int:
-    from localrun.memory import available_ram_bytes
-
-    return available_ram_bytes()
-
-
-def estimate_bytes(name: str, context: int | None, config: ServerConfig) -> int | None:
-    """Memory a model will take (weights + KV cache + overhead), before loading it.
-
-    From the files for a model on disk; from the Hub plan for one that is not (None
-    when neither can say: the library's own fit check then decides)."""
-    from localrun.resolve import resolve_local
-
-    ctx = context or config.context
-    try:
-        target = resolve_local(name, backend=config.backend,
-                               allow_unoptimized=config.allow_unoptimized)
-    except LocalrunError:
-        target = None
-    except Exception:
-        return None
-    if target is not None:
-        est = _estimate_path(target.path, ctx, target.backend, target.device)
-        return est.total_bytes if est is not None else None
-    try:
-        from localrun.planning import plan_fetch
-
-        _, fetch = plan_fetch(name, backend=config.backend, context=ctx,
-                              allow_unoptimized=config.allow_unoptimized)
-    except Exception:
-        return None
-    return fetch.memory.total_bytes if fetch is not None else None
-
-
-def _estimate_loaded(info: ModelInfo, context: int | None) -> MemoryEstimate | None:
-    """A loaded model's memory, at the context it was loaded with."""
-    return _estimate_path(info.path, info.context_length or context, info.backend,
-                          info.device)
-
-
-def _estimate_path(path: str, context: int | None, backend: str | None = None,
-                   device: str | None = None) -> MemoryEstimate | None:
-    """The memory of the model at ``path`` on ``backend`` (on ``device``): its KV cache
-    in the element size that engine allocates there, and its overhead."""
-    from localrun.formats.detect import OPENVINO_MODEL_FILES
-    from localrun.memory import (
-        context_window,
-        estimate,
-        shape_from_config,
-        shape_from_gguf_metadata,
-        shape_from_openvino_ir,
-    )
-
-    p = Path(path)
-    try:
-        if p.is_file():
-            weights = p.stat().st_size
-            from localrun.formats.gguf import read_gguf
-
-            shape = shape_from_gguf_metadata(read_gguf(p, check_size=False).metadata)
-        else:
-            weights = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-            shape = None
-            for cfg in ("config.json", "genai_config.json"):
-                if (p / cfg).is_file():
-                    shape = shape_from_config(json.loads((p / cfg).read_text("utf-8")))
-                    if shape is not None:
-                        break
-            for ir in OPENVINO_MODEL_FILES if shape is None else ():
-                if (p / ir).is_file():  # an IR without its config.json: its KV state
-                    shape = shape_from_openvino_ir((p / ir).read_text("utf-8", "replace"))
-                    break
-    except (OSError, ValueError, LocalrunError):
-        return None
-    ctx = context_window(context, shape.trained_context if shape else None)
-    return estimate(weights, shape, ctx, backend=backend, device=device)
-
