@@ -67,3 +67,27 @@ def test_release_pool_is_harmless_without_a_pool() -> None:
 
     release_pool()  # nothing decoded on this thread: no pool to give back
     release_pool()
+
+
+@requires_llama
+def test_an_idle_engine_thread_keeps_no_openmp_workers(two_threads: Any) -> None:
+    """The driver's engine thread outlives its work by a while (IDLE_SECONDS), waiting
+    for more; it gives its pool back as it starts waiting, not when it ends."""
+    import time
+
+    driver = two_threads._driver
+    deadline = time.monotonic() + 30
+    while driver._thread is not None:  # an earlier test's engine thread ends
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    before = _threads()
+    results = two_threads.batch(["Count to five:", "Name three colours:"], temperature=0,
+                                max_tokens=8)
+    assert [c.usage.completion_tokens for c in results] == [8, 8]
+    # the engine thread lets go of the engine and its pool as it starts waiting; it stays
+    # alive for IDLE_SECONDS (2) more: its OpenMP worker, kept, would be counted all along
+    settled = time.monotonic() + 1.0
+    while _threads() != before + 1 and time.monotonic() < settled:
+        time.sleep(0.01)
+    assert driver._thread is not None and driver._thread.is_alive()
+    assert _threads() == before + 1  # the engine thread alone: no OpenMP worker beside it

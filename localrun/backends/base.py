@@ -93,6 +93,11 @@ class Batcher(ABC):
         figures current. A cancelled sequence ends with ``(key, None)`` too; one the
         engine failed alone ends so with ``stats.error`` set. Keys are add()'s."""
 
+    def idle(self) -> None:  # noqa: B027 - optional hook
+        """Called on the engine thread when it has run out of sequences, before it waits
+        for more: free what only running needs on that thread (llama.cpp: its OpenMP
+        workers, which would slow another thread's decoding meanwhile)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free what the batcher holds (idempotent). Sequences still in flight end."""
 

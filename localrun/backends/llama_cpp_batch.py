@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import Batcher, GenerationStats, Prompt
 from localrun.backends.llama_cpp_reuse import common_prefix, reusable_prefix
+from localrun.backends.openmp import release_pool
 from localrun.errors import GenerationError, LocalrunError
 from localrun.sampling import ResolvedSampling
 from localrun.structured.grammar import TokenMask
@@ -310,6 +311,9 @@ class LlamaCppBatcher(Batcher):
             self._end(seq, events)
         else:
             events.append((key, piece))
+
+    def idle(self) -> None:
+        release_pool()  # another thread may decode while this one waits (openmp.py)
 
     def close(self) -> None:
         ctx, self._ctx = getattr(self, "_ctx", None), None

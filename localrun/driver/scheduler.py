@@ -410,6 +410,8 @@ class Driver:
                 if self._owner == me:  # nothing to do, or someone waits to own it
                     self._owner = None
                     self._cv.notify_all()
+                    if not work and self._batcher is not None:
+                        self._batcher.idle()  # this thread's own resources only
                 if not work and (self._closed or timed_out):
                     self._thread = None  # decided under the lock: _enqueue starts another
                     self._cv.notify_all()
