@@ -13,7 +13,7 @@ without it (docs/results/llama_batch.md). A thread that is done with llama.cpp f
 therefore gives its pool back (``omp_pause_resource_all(omp_pause_soft)``: libgomp joins
 and frees the calling thread's pool); the next region on that thread starts a new one
 (a thread per worker, well under a millisecond). The engine thread keeps its own between
-steps; libgomp frees it when the thread ends.
+steps and gives it back as it starts waiting for more (``Batcher.idle``).
 
 Other OpenMP runtimes (LLVM's libomp, MSVC's vcomp) and builds without OpenMP (Metal,
 ggml's own threadpool) are left alone: :func:`release_pool` does nothing there.
