@@ -52,6 +52,15 @@ def model_path(backend: str) -> str | None:
     return str(path) if path and Path(path).exists() else None
 
 
+def fixture_or_exit(backend: str) -> str:
+    """:func:`model_path`, or exit saying how to build the fixture."""
+    path = model_path(backend)
+    if path is None:
+        sys.exit(f"no {NATIVE[backend]} fixture (or its engine is missing): run python "
+                 "scripts/make_test_models.py")
+    return path
+
+
 def run(model: Any, items: list[str], concurrency: int, max_tokens: int) -> tuple[float, int]:
     t0 = time.perf_counter()
     out = model.batch(items, max_concurrency=concurrency, temperature=0.0,

@@ -44,16 +44,14 @@ B2B_MODES: tuple[float | None, ...] = (None, 0.05, 0.0)
 
 def load() -> Any:
     """The onnx-int4 fixture through localrun, or exit saying how to get it."""
-    from bench_batch import model_path
+    from bench_batch import fixture_or_exit
 
     import localrun
     from localrun.backends import install_hint, is_installed
 
     if not is_installed("onnx"):
         sys.exit(f"ONNX Runtime GenAI is not installed: {install_hint('onnx')}")
-    path = model_path("onnx")
-    if path is None:
-        sys.exit("no onnx-int4 fixture: run python scripts/make_test_models.py")
+    path = fixture_or_exit("onnx")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return localrun.load(path, backend="onnx", context=4096)

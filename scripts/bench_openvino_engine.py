@@ -47,14 +47,11 @@ class Bench:
     def __init__(self, n: int, max_tokens: int, threads: int | None) -> None:
         import numpy as np
         import openvino
-        from bench_batch import model_path, prompts
+        from bench_batch import fixture_or_exit, prompts
 
         import localrun
 
-        path = model_path("openvino")
-        if path is None:
-            sys.exit("no openvino-int4 fixture (or openvino-genai missing): run python "
-                     "scripts/make_test_models.py")
+        path = fixture_or_exit("openvino")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import openvino_genai

@@ -174,12 +174,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="conversations per path")
     ap.add_argument("--f32", action="store_true", help="f32 compute and KV cache everywhere")
     args = ap.parse_args()
-    from bench_batch import model_path
+    from bench_batch import fixture_or_exit
 
-    path = model_path("openvino")
-    if path is None:
-        sys.exit("no openvino-int4 fixture (or openvino-genai missing): run python "
-                 "scripts/make_test_models.py")
+    path = fixture_or_exit("openvino")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import openvino_genai as og

@@ -87,6 +87,8 @@ KV_BUDGET = 2 << 30
 MIN_REUSE = 32
 #: Prompt tokens a copy of another slot's cells must save to be worth its memcpy.
 MIN_COPY = 32
+
+
 def batch_capacity(stream_bytes: int, available: int | None) -> int:
     """Slots that fit: each holds ``stream_bytes`` of KV cache (the session's context)."""
     budget = KV_BUDGET if available is None else min(KV_BUDGET, available // 4)
