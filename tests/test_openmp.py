@@ -83,11 +83,13 @@ def test_an_idle_engine_thread_keeps_no_openmp_workers(two_threads: Any) -> None
     before = _threads()
     results = two_threads.batch(["Count to five:", "Name three colours:"], temperature=0,
                                 max_tokens=8)
-    assert [c.usage.completion_tokens for c in results] == [8, 8]
+    # how many tokens each reply got does not matter here (one may meet its end early)
+    assert all(c.usage.completion_tokens > 0 for c in results), results
     # the engine thread lets go of the engine and its pool as it starts waiting; it stays
     # alive for IDLE_SECONDS (2) more: its OpenMP worker, kept, would be counted all along
     settled = time.monotonic() + 1.0
     while _threads() != before + 1 and time.monotonic() < settled:
         time.sleep(0.01)
     assert driver._thread is not None and driver._thread.is_alive()
-    assert _threads() == before + 1  # the engine thread alone: no OpenMP worker beside it
+    after = _threads()
+    assert after == before + 1, (before, after)  # the engine thread alone: no OpenMP worker
