@@ -15,6 +15,7 @@ from typing import Literal
 
 from localrun.backends import BACKENDS, build_devices
 from localrun.hardware import GiB, GPUInfo, HardwareProfile
+from localrun.install import pip_install
 from localrun.memory import ModelShape, Offload, context_window, gpu_offload, kv_cache_bytes
 
 HostKind = Literal["apple", "datacenter", "nvidia-multi", "nvidia", "amd", "intel", "cpu"]
@@ -322,8 +323,8 @@ def installed_build_device(backend: str, device: str, installed: Mapping[str, st
         return device, "", []
     return "cpu", "with the CPU execution provider (the installed build)", [
         f"{BACKENDS[backend].title} here is the CPU-only {BACKENDS[backend].dists[0]}: the "
-        f"{build.device} execution provider needs {build.dist} (pip install "
-        f"'localrun[{build.extra}]')"]
+        f"{build.device} execution provider needs {build.dist} "
+        f"({pip_install(build.extra)})"]
 
 
 def llama_offload(p: HardwareProfile, device: str, req: PlanRequest) -> Offload | None:

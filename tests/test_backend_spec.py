@@ -26,6 +26,7 @@ from localrun.backends import (
 from localrun.backends.spec import BackendName, BackendSpec
 from localrun.errors import EngineNotInstalledError
 from localrun.formats import compat
+from localrun.install import pip_install
 
 try:
     import tomllib
@@ -142,14 +143,16 @@ def test_the_memory_table_names_only_known_engines() -> None:
 
 
 def test_install_hints_come_from_the_spec() -> None:
-    assert install_hint("llama.cpp") == "pip install 'localrun[llama-cpp]'"
-    assert install_hint("onnx", "cuda:0") == "pip install 'localrun[onnx-cuda]'"
-    assert install_hint("onnx", "cpu") == "pip install 'localrun[onnx]'"
+    # the command itself (a clone's `pip install -e`, or the PyPI name) is
+    # tests/test_packaging.py's
+    assert install_hint("llama.cpp") == pip_install("llama-cpp")
+    assert install_hint("onnx", "cuda:0") == pip_install("onnx-cuda")
+    assert install_hint("onnx", "cpu") == pip_install("onnx")
     assert "its own environment" in install_hint("vllm")
-    # vLLM is never pip-installed into localrun's environment: no 'localrun[vllm]' extra
+    # vLLM is never pip-installed into localrun's environment: no [vllm] extra
     err = not_installed("vllm")
-    assert "localrun[" not in (err.hint or "") and "vLLM" in str(err)
-    assert not_installed("ort").hint == "pip install 'localrun[onnx]'"
+    assert "[vllm]" not in (err.hint or "") and "vLLM" in str(err)
+    assert not_installed("ort").hint == pip_install("onnx")
 
 
 def test_vllm_needs_its_minimum_compute_capability() -> None:
@@ -215,5 +218,5 @@ def test_a_broken_engine_import_names_the_engine_as_the_table_does(
     with pytest.raises(EngineNotInstalledError) as e:
         LlamaCppSession(LoadRequest("never-read.gguf", "gguf"))
     assert e.value.backend == BACKENDS["llama.cpp"].title
-    assert e.value.hint == install_hint("llama.cpp") == "pip install 'localrun[llama-cpp]'"
+    assert e.value.hint == install_hint("llama.cpp") == pip_install("llama-cpp")
     assert str(e.value).startswith("The llama.cpp (llama-cpp-python) engine cannot be used: ")

@@ -36,6 +36,7 @@ from localrun.errors import (
     UnknownOptionError,
 )
 from localrun.hardware import HardwareProfile
+from localrun.install import pip_install
 from localrun.memory import gpu_offload, gpu_share, overhead_bytes
 from localrun.selection import PlanRequest, select
 from localrun.types import ModelInfo
@@ -223,9 +224,9 @@ def test_extras_for_the_onnx_gpu_builds_are_declared() -> None:
 def test_plan_names_the_cuda_build_when_only_the_cpu_build_is_installed() -> None:
     plan = select(profile("rtx4090"), {"onnx": "0.18.0"}, PlanRequest(prefer="embed"))
     assert (plan.backend, plan.device) == ("onnx", "cpu")
-    assert "pip install 'localrun[onnx-cuda]'" in "\n".join(plan.reasons)
+    assert pip_install("onnx-cuda") in "\n".join(plan.reasons)
     nothing = select(profile("rtx4090"), {}, PlanRequest(prefer="embed"))
-    assert nothing.install_hint and "localrun[onnx-cuda]" in nothing.install_hint
+    assert nothing.install_hint and pip_install("onnx-cuda") in nothing.install_hint
 
 
 class RecordingConfig:
@@ -284,7 +285,7 @@ def test_onnx_cuda_on_the_cpu_build_is_refused_with_the_install_command(
         onnx_genai.BACKEND.load(LoadRequest(str(path), "onnx", device="cuda:1"))
     e = info.value
     assert "onnxruntime-genai-cuda" in str(e)
-    assert "pip install 'localrun[onnx-cuda]'" in (e.hint or "")
+    assert pip_install("onnx-cuda") in (e.hint or "")
     assert not onnx_calls  # refused before the engine was touched
 
 

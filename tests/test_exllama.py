@@ -1058,7 +1058,7 @@ def test_import_errors_become_one_line_errors() -> None:
     missing = ex_errors.engine_import_error("exllamav3",
                                             ModuleNotFoundError("No module named 'torch'"))
     assert isinstance(missing, EngineNotInstalledError)
-    assert "localrun[exllamav3]" in str(missing)
+    assert "[exllamav3]'" in str(missing)
 
 
 # -- the sessions' engine-facing calls, against fake engine modules ----------------------------

@@ -9,6 +9,7 @@ import pytest
 from localrun.backends import BACKENDS
 from localrun.errors import FormatMismatchError, NoSuitableEngineError
 from localrun.hardware import HardwareProfile
+from localrun.install import pip_install
 from localrun.selection import Plan, PlanRequest, select
 
 PROFILES = Path(__file__).parent / "profiles"
@@ -86,14 +87,14 @@ def test_preferred_engine_missing_falls_back_with_install_hint(
         name: str, installed: dict[str, str], backend: str, extra: str) -> None:
     plan = select(profile(name), installed, PlanRequest())
     assert plan.backend == backend and plan.installed
-    assert plan.install_hint is not None and f"pip install 'localrun[{extra}]'" in plan.install_hint
-    assert (extra, f"not installed (pip install 'localrun[{extra}]')") in plan.passed_over
+    assert plan.install_hint is not None and pip_install(extra) in plan.install_hint
+    assert (extra, f"not installed ({pip_install(extra)})") in plan.passed_over
 
 
 def test_nothing_installed_still_plans_and_says_what_to_install() -> None:
     plan = select(profile("rtx4090"), {}, PlanRequest())
     assert plan.backend == "exllamav2" and not plan.installed
-    assert plan.install_hint and "localrun[exllamav2]" in plan.install_hint
+    assert plan.install_hint and pip_install("exllamav2") in plan.install_hint
 
 
 def test_local_format_limits_candidates_to_native_engines() -> None:

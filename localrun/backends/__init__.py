@@ -9,6 +9,7 @@ from importlib import metadata
 from typing import TYPE_CHECKING
 
 from localrun.backends.spec import BACKENDS, BackendName, BackendSpec, Build, Option
+from localrun.install import pip_install
 
 if TYPE_CHECKING:
     from localrun.backends.base import Backend
@@ -108,7 +109,8 @@ def installed_backends() -> dict[str, str]:
 
 def install_hint(name: str, device: str = "cpu") -> str:
     """The command that installs an engine: its GPU build's extra for ``device`` where it
-    has one ("cuda:0" -> onnx-cuda), its own environment for vLLM."""
+    has one ("cuda:0" -> onnx-cuda), its own environment for vLLM. The ``pip install``
+    itself comes from :func:`localrun.install.pip_install` (a clone or a wheel)."""
     spec = BACKENDS[canonical_backend(name)]
     if spec.home == "own-env":
         from localrun.backends.vllm_env import INSTALL_HINT
@@ -118,7 +120,7 @@ def install_hint(name: str, device: str = "cpu") -> str:
         return f"nothing to install: the {spec.title} runs the model"
     kind = device.split(":")[0]
     extra = next((b.extra for b in spec.builds if b.device == kind), spec.extra)
-    return f"pip install 'localrun[{extra}]'"
+    return pip_install(extra)
 
 
 def not_installed(name: str, *, reason: str | None = None) -> EngineNotInstalledError:

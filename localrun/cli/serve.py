@@ -78,6 +78,7 @@ def serve(
     from dataclasses import replace
 
     from localrun.errors import LocalrunError
+    from localrun.install import pip_install
     from localrun.server.config import ServerConfig, parse_duration
 
     try:
@@ -86,7 +87,7 @@ def serve(
         from localrun.server.metrics import Metrics
     except ImportError as e:
         raise LocalrunError(f"localrun serve needs its web stack ({e.name or e} is missing)",
-                            hint="pip install 'localrun[serve]'") from None
+                            hint=pip_install("serve")) from None
 
     origins = tuple(x.strip() for item in cors_origins or () for x in item.split(",")
                     if x.strip())

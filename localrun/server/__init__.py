@@ -4,10 +4,12 @@
     app = create_app(ServerConfig(models=("smollm2:135m",)))   # an ASGI app (FastAPI)
 
 Needs the ``serve`` extra (FastAPI, uvicorn, prometheus-client):
-``pip install 'localrun[serve]'``. Layout: ``config`` (settings, the default port),
-``manager`` (loaded models, keep-alive, LRU unload, admission queue), ``jobs`` (one
-request's run: worker thread, deadline, disconnect), ``openai_api`` and ``ollama_api``
-(the routes), ``embeddings``, ``metrics``, ``app`` (middleware, the uvicorn server).
+``pip install -e '.[serve]'`` in a clone, ``pip install 'localrun-llm[serve]'`` from a
+wheel (as ``localrun.install.pip_install`` says). Layout: ``config`` (settings, the
+default port), ``manager`` (loaded models, keep-alive, LRU unload, admission queue),
+``jobs`` (one request's run: worker thread, deadline, disconnect), ``openai_api`` and
+``ollama_api`` (the routes), ``embeddings``, ``metrics``, ``app`` (middleware, the uvicorn
+server).
 """
 
 from __future__ import annotations
