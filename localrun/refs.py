@@ -26,7 +26,7 @@ from typing import Literal
 
 from localrun import catalog
 from localrun.catalog import CatalogEntry
-from localrun.errors import UnknownModelError
+from localrun.errors import InvalidModelNameError, UnknownModelError
 from localrun.stores import DEFAULT_MODEL_ALIAS, default_model_path
 
 RefKind = Literal["path", "default", "alias", "repo", "ollama", "lmstudio"]
@@ -84,16 +84,38 @@ def _split_revision(text: str) -> tuple[str, str | None]:
     return text, None
 
 
+def _as_path(name: str) -> Path:
+    """``name`` as a path on this machine (``~`` expanded); InvalidModelNameError for a
+    name that cannot be one (empty: ``Path("")`` would be the current folder)."""
+    if not name.strip():
+        raise InvalidModelNameError(name, "it is empty")
+    if "\0" in name:
+        raise InvalidModelNameError(name, "it holds a NUL character")
+    try:
+        return Path(name).expanduser()
+    except RuntimeError:  # ~user for a user this machine does not have
+        raise InvalidModelNameError(
+            name, f"there is no user {name.split('/', 1)[0][1:]!r} whose home '~' could "
+            "stand for") from None
+
+
+def _exists(p: Path, name: str) -> bool:
+    """Whether ``p`` exists; InvalidModelNameError when the system refuses to look it up
+    (a name longer than a file name may be, a folder on the way that cannot be read)."""
+    try:
+        return p.exists()
+    except OSError as e:
+        raise InvalidModelNameError(name, e.strerror or str(e)) from None
+
+
 def parse_ref(text: str) -> ModelRef:
     """Parse a model reference; raise UnknownModelError (with suggestions) if it is
-    none of the accepted forms."""
+    none of the accepted forms, InvalidModelNameError if it names nothing at all."""
     raw = text
     s = text.strip()
-    if not s:
-        raise UnknownModelError(text)
-    p = Path(s).expanduser()
-    if s.startswith((".", "/", "~")) or s.lower().endswith(".gguf") or p.exists():
-        if p.exists():
+    p = _as_path(s)
+    if s.startswith((".", "/", "~")) or s.lower().endswith(".gguf") or _exists(p, raw):
+        if _exists(p, raw):
             return ModelRef(raw, "path", path=p)
         raise UnknownModelError(s, hint="no such file or folder")
     if s.lower() in DEFAULT_NAMES:
@@ -141,8 +163,8 @@ def local_path(ref: str | None) -> Path | None:
     else (a name for the Hub or a model store)."""
     if ref is None or is_default_name(ref):
         return default_model_path()
-    p = Path(ref).expanduser()
-    return p if p.exists() else None
+    p = _as_path(ref)
+    return p if _exists(p, ref) else None
 
 
 def default_serves(quant: str | None = None) -> bool:

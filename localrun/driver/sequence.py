@@ -63,6 +63,39 @@ class Request:
     sampling: Sampling
     structured: StructuredRequest | None = None
 
+    def __post_init__(self) -> None:
+        # Every call's text passes here (stream, chat, complete, batch): a lone surrogate
+        # (a JSON "\ud800" escape, a str decoded with surrogateescape) is no Unicode
+        # text, and a tokenizer's encode would fail on it mid-request.
+        if self.text is not None:
+            check_text(self.text, "the prompt")
+        for i, m in enumerate(self.messages or ()):
+            check_text(m, f"message {i}")
+
+
+def check_text(value: object, where: str) -> None:
+    """LocalrunError if a string in ``value`` (a str, or the dicts and lists of a
+    message) holds a lone surrogate, which no tokenizer can encode."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if v.isascii():
+                continue
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise LocalrunError(
+                    f"Cannot encode {where}: {e.object[e.start:e.end]!r} at character "
+                    f"{e.start} is a lone surrogate, not a Unicode character",
+                    hint="pass valid Unicode text (decode bytes with errors='replace'; "
+                    "a character beyond U+FFFF is one str character, not two halves)"
+                ) from None
+        elif isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+
 
 class Outcome:
     """What the structured-output layer adds to a reply; filled before its last chunk."""

@@ -68,6 +68,10 @@ SAMPLING_KEYS: dict[str, str] = {
 }
 
 _MAX_KEPT_ARRAY = 64  # token lists and merges are skipped, not kept
+#: How deep arrays of arrays may nest in GGUF metadata. Files that llama.cpp's tools
+#: write nest at most two (none of its keys is deeper); a deeper one is a damaged or
+#: crafted file, refused before the reader's recursion reaches Python's limit.
+MAX_ARRAY_DEPTH = 16
 
 
 class ModelKeys:
@@ -203,12 +207,14 @@ class _Reader:
         self._need(self.pos + n, "string")
         self.pos += n
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise ValueError(f"metadata arrays nested more than {MAX_ARRAY_DEPTH} deep")
             etype = self.scalar(_U32)
             count = self.scalar(_U64)
             if count > len(self.buf) - self.pos:  # every item takes a byte at least
@@ -216,12 +222,12 @@ class _Reader:
                     raise EOFError("GGUF metadata continues past the bytes read")
                 raise ValueError(f"array of {count} items cannot fit in the file")
             if count > _MAX_KEPT_ARRAY:
-                self._skip_array(etype, count)
+                self._skip_array(etype, count, depth + 1)
                 return _SkippedArray(count)
-            return [self.value(etype) for _ in range(count)]
+            return [self.value(etype, depth + 1) for _ in range(count)]
         raise ValueError(f"unknown GGUF value type {vtype}")
 
-    def _skip_array(self, etype: int, count: int) -> None:
+    def _skip_array(self, etype: int, count: int, depth: int) -> None:
         if etype in _SCALARS:
             end = self.pos + _SCALARS[etype].size * count
             self._need(end, "array")
@@ -237,7 +243,7 @@ class _Reader:
             self.pos = pos
         else:
             for _ in range(count):
-                self.value(etype)
+                self.value(etype, depth)
 
 
 @dataclass(frozen=True)

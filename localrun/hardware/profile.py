@@ -143,32 +143,39 @@ class HardwareProfile:
             ) from e
 
     @classmethod
-    def from_json(cls, text: str) -> HardwareProfile:
+    def from_json(cls, text: str, *, source: str = "the text") -> HardwareProfile:
         from localrun.errors import LocalrunError
 
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise LocalrunError(f"Hardware profile is not valid JSON: {e}",
+        except (ValueError, RecursionError) as e:  # also: nested too deep, a huge integer
+            raise LocalrunError(f"Not a hardware profile: {source} is not valid JSON "
+                                f"({str(e)[:120]})",
                                 hint="write one with: localrun doctor --json > profile.json"
                                 ) from e
         if not isinstance(data, dict):
-            raise LocalrunError("Hardware profile must be a JSON object",
+            raise LocalrunError(f"Not a hardware profile: {source} must be a JSON object",
                                 hint="write one with: localrun doctor --json > profile.json")
         return cls.from_dict(data)
 
     @classmethod
     def load(cls, path: str | PathLike[str]) -> HardwareProfile:
-        from localrun.errors import ModelFileError
+        from localrun.errors import LocalrunError, ModelFileError
 
         p = Path(path).expanduser()
         try:
             text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:  # a model file, an image: not what doctor writes
+            raise LocalrunError(
+                f"Not a hardware profile: {p} is not text (byte 0x{e.object[e.start]:02x} at "
+                f"offset {e.start} is not UTF-8); a profile is the JSON `localrun doctor "
+                "--json` prints", hint="write one with: localrun doctor --json > profile.json, "
+                "then pass --hardware profile.json") from None
         except OSError as e:
             raise ModelFileError(str(p), e.strerror or str(e),
                                  hint="write one with: localrun doctor --json > profile.json"
                                  ) from e
-        return cls.from_json(text)
+        return cls.from_json(text, source=str(p))
 
 
 def _build(cls: type[Any], data: Mapping[str, Any]) -> Any:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 from localrun.errors import InvalidToolError
-from localrun.structured.schema import is_pydantic_model
+from localrun.structured.schema import MAX_SCHEMA_DEPTH, is_pydantic_model, schema_depth
 
 TOOLS_HELP = ('tools=[{"type": "function", "function": {"name": ..., "description": ..., '
               '"parameters": {JSON Schema}}}, a Python function, or a pydantic model class]')
@@ -281,6 +281,10 @@ def dict_tool(spec: Mapping[str, Any], index: int) -> Tool:
                                "dict", hint=TOOLS_HELP)
     desc = fn.get("description") or ""
     strict = fn.get("strict")
+    if schema_depth(params) > MAX_SCHEMA_DEPTH:
+        raise InvalidToolError(f"tools[{index}] ({name}): parameters are nested deeper than "
+                               f"{MAX_SCHEMA_DEPTH} levels of objects and arrays",
+                               hint="flatten the schema ($defs and $ref for repeated parts)")
     try:
         params = json.loads(json.dumps(params))
     except (TypeError, ValueError) as e:

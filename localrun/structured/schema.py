@@ -97,12 +97,42 @@ def closed_objects(schema: Any) -> Any:
     return out
 
 
+#: How deep a schema's objects and arrays may nest (each object level of ``properties``
+#: is two: the schema and its ``properties``). Real schemas nest a few levels (OpenAI
+#: allows 10 object levels); what reads a schema (closed_objects, the grammar
+#: compilers) recurses per level, and Python stops near 1000.
+MAX_SCHEMA_DEPTH = 64
+
+
+def schema_depth(schema: object, limit: int = MAX_SCHEMA_DEPTH) -> int:
+    """How deep ``schema``'s dicts and lists nest (1 for a flat dict), counted without
+    recursion and only up to ``limit + 1``: the answer past the limit is ``limit + 1``."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if not isinstance(value, (Mapping, list, tuple)):
+            continue
+        deepest = max(deepest, depth)
+        if depth > limit:
+            return depth
+        children = value.values() if isinstance(value, Mapping) else value
+        stack.extend((v, depth + 1) for v in children)
+    return deepest
+
+
 def _check_schema_shape(schema: object, where: str) -> dict[str, Any]:
     if schema is True:  # JSON Schema's "anything"
         return {}
     if not isinstance(schema, Mapping):
         raise InvalidToolError(f"{where} must be a JSON Schema dict, got "
                                f"{type(schema).__name__}", hint=RESPONSE_FORMAT_HELP)
+    if schema_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise InvalidToolError(
+            f"{where} is nested deeper than {MAX_SCHEMA_DEPTH} levels of objects and arrays "
+            f"(each object's 'properties' is one)",
+            hint="flatten the schema: move repeated parts into $defs and refer to them with "
+            "$ref, or validate the deepest parts yourself")
     try:
         return dict(closed_objects(json.loads(json.dumps(schema))))
     except (TypeError, ValueError) as e:
