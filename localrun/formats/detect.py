@@ -4,6 +4,12 @@ Recognised and served: GGUF, MLX, EXL2, EXL3, OpenVINO IR, ONNX Runtime GenAI.
 Recognised but not served (refused with the way out): GPTQ, AWQ, FP8,
 compressed-tensors, bitsandbytes, plain fp16/bf16 safetensors. Damaged inputs (bad
 JSON, truncated headers, missing files) raise ModelFileError, never a raw exception.
+
+Detection looks only where a model's files can be: a folder's own files, and (for the
+way-out messages) at most :data:`WALK_DEPTH` folders below it: an ONNX GenAI repo keeps
+each variant in a subfolder (``cpu_and_mobile/cpu-int4-.../``), a transformers.js export
+its ``.onnx`` files in ``onnx/``. A folder with more than :data:`WALK_ENTRIES` entries
+there is not a model folder (``/``, a home directory) and is refused as such, quickly.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +50,12 @@ GGUF_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.I)
 
 OPENVINO_MODEL_FILES = ("openvino_model.xml", "openvino_language_model.xml")
 OPENVINO_TOKENIZER_FILES = ("openvino_tokenizer.xml", "openvino_detokenizer.xml")
+
+#: Folders below a model folder that detection looks into (variants, ``onnx/``), and the
+#: most files and folders it reads there before deciding it is not a model folder. A
+#: Hugging Face repo holds tens to hundreds; ``/`` holds millions.
+WALK_DEPTH = 2
+WALK_ENTRIES = 4096
 
 #: safetensors dtype -> the name users know for unquantized weights
 DTYPE_NAMES: dict[str, str] = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
@@ -102,11 +115,78 @@ def _gguf(p: Path) -> DetectedModel:
                          info.context_length, details)
 
 
-def _detect_dir(p: Path) -> DetectedModel:
+def walk(folder: Path, depth: int = WALK_DEPTH, limit: int = WALK_ENTRIES) -> list[Path]:
+    """The files in ``folder`` and in its folders at most ``depth`` levels below
+    (symlinked folders are not followed; unreadable ones are skipped); ModelFileError
+    once more than ``limit`` entries have been seen, without reading further."""
+    files: list[Path] = []
+    seen = 0
+    level = [folder]
+    for down in range(depth + 1):
+        below: list[Path] = []
+        for d in level:
+            for e in _entries(d, must=down == 0):
+                seen += 1
+                if seen > limit:
+                    raise _not_a_model_folder(folder, limit, depth)
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        below.append(Path(e.path))
+                    elif e.is_file():
+                        files.append(Path(e.path))
+                except OSError:
+                    continue
+        level = below
+    return files
+
+
+def _entries(d: Path, *, must: bool) -> Iterator[os.DirEntry[str]]:
+    """The entries of folder ``d``; an unreadable one has none (``must``: it is the
+    model folder itself, and ModelFileError says why it cannot be read)."""
     try:
-        names = {c.name for c in p.iterdir()}
-    except OSError as e:
-        raise ModelFileError(str(p), e.strerror or str(e)) from e
+        with os.scandir(d) as entries:
+            yield from entries
+    except OSError as err:
+        if must:
+            raise ModelFileError(str(d), err.strerror or str(err)) from err
+
+
+def folder_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of a model file, or of the files of a model folder (as far as detection
+    looks: :func:`walk`); ModelFileError for a folder that is not a model folder."""
+    p = Path(path)
+    if not p.is_dir():
+        return p.stat().st_size
+    total = 0
+    for f in walk(p):
+        try:
+            total += f.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def _not_a_model_folder(p: Path, limit: int, depth: int) -> ModelFileError:
+    where = f"in it and {depth} levels below" if depth else "in it"
+    return ModelFileError(
+        str(p), f"does not look like a model folder: more than {limit:,} files and folders "
+        f"{where} (a model folder holds one model's files)",
+        hint="pass the model's .gguf file or the folder that holds its config.json, "
+        "genai_config.json or openvino_model.xml")
+
+
+def _top_names(p: Path) -> set[str]:
+    """The names in the folder itself (at most WALK_ENTRIES: a model folder)."""
+    names: set[str] = set()
+    for e in _entries(p, must=True):
+        names.add(e.name)
+        if len(names) > WALK_ENTRIES:
+            raise _not_a_model_folder(p, WALK_ENTRIES, 0)
+    return names
+
+
+def _detect_dir(p: Path) -> DetectedModel:
+    names = _top_names(p)
     config = _json(p / "config.json") if "config.json" in names else None
     if "genai_config.json" in names:
         return _onnx_genai(p, config)
@@ -122,11 +202,25 @@ def _detect_dir(p: Path) -> DetectedModel:
     if safetensors:
         raise ModelFileError(str(p), "safetensors weights without config.json: the model's "
                              "architecture is unknown")
-    onnx = sorted(str(f.relative_to(p)) for f in p.rglob("*.onnx"))
-    if onnx:
-        raise _not_genai(p, onnx)
+    _refuse_nested(p)
     raise ModelFileError(str(p), "no model files found (looked for *.gguf, config.json + "
                          "*.safetensors, genai_config.json, openvino_model.xml)")
+
+
+def _refuse_nested(p: Path) -> None:
+    """A folder whose model files are further down: ONNX GenAI variants in subfolders
+    (pass one), or ONNX files that are not a GenAI model (the way to make one)."""
+    files = walk(p)
+    variants = sorted(str(f.parent.relative_to(p)) for f in files
+                      if f.name == "genai_config.json" and f.parent != p)
+    if variants:
+        raise ModelFileError(
+            str(p), f"holds {len(variants)} ONNX Runtime GenAI model"
+            f"{'s' if len(variants) > 1 else ''} in subfolders: " + ", ".join(variants[:5]),
+            hint=f"pass the folder of the one you want, e.g. {p / variants[0]}")
+    onnx = sorted(str(f.relative_to(p)) for f in files if f.name.endswith(".onnx"))
+    if onnx:
+        raise _not_genai(p, onnx)
 
 
 def _gguf_in_dir(p: Path, ggufs: list[str]) -> DetectedModel:
@@ -248,9 +342,7 @@ def _from_config(p: Path, names: set[str], safetensors: list[str],
         if any(n.endswith(".bin") and n.startswith("pytorch_model") for n in names):
             return DetectedModel("hf", str(p), _dtype(config), arch, ctx,
                                  {"weights": "pytorch_model.bin"})
-        onnx = sorted(str(f.relative_to(p)) for f in p.rglob("*.onnx"))
-        if onnx:
-            raise _not_genai(p, onnx)
+        _refuse_nested(p)
         raise ModelFileError(str(p), "config.json but no weights (*.safetensors) beside it")
     header = read_safetensors_header(p / weights[0])
     fmt = _format_from_header(header)

@@ -15,6 +15,12 @@ memory holds before it is built (``Model.limit_concurrency``; none at all when o
 request fits). Idle models unload after their keep-alive, and when a model about to
 load would not fit, idle models go first, least recently used first.
 
+A name is looked up on disk before the load lock is taken (bounded: formats/detect.py),
+and the client may leave during any wait. Loaded models are keyed by file and the
+context the engine loads (:mod:`localrun.server.copies`): spellings of a file and
+``num_ctx`` values that come to one context share a copy, at most ``MAX_COPIES``
+contexts of a file are loaded at once, and the command line's models stay pinned.
+
 All bookkeeping happens on the event loop thread; engines load, run and close in
 worker threads.
 """
@@ -32,6 +38,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from localrun.errors import LocalrunError, ModelTooLargeError
 from localrun.server.config import ServerConfig
+from localrun.server.copies import (
+    MAX_COPIES,
+    FileId,
+    ModelFile,
+    Names,
+    file_id,
+    identify,
+    pick,
+)
 from localrun.server.errors import APIError
 from localrun.server.metrics import Metrics
 from localrun.server.sizing import (
@@ -43,10 +58,12 @@ from localrun.server.sizing import (
     footprint,
     kept_bytes,
 )
+from localrun.server.waiting import left, wait
 from localrun.types import ModelInfo
 
 if TYPE_CHECKING:
     from localrun.memory import MemoryEstimate
+    from localrun.resolve import Target
 
 log = logging.getLogger("localrun.server")
 
@@ -57,14 +74,17 @@ log = logging.getLogger("localrun.server")
 #: On a GPU the engine's own capacity is the default. LM Studio's default is 4 too.
 DEFAULT_PARALLEL_CPU = 4
 
+#: A loaded model's key: what it is, which file (copies.file_id), at what context.
+Key = tuple[Kind, FileId, int | None]
+
 
 @dataclass(eq=False)
 class Loaded:
     """One loaded model (a ``localrun.Model``, or an embedder) and its queue."""
 
-    name: str  # as requested: what responses and /api/ps call it
+    name: str  # as first requested: what /api/ps, logs and metrics call it
     kind: Kind
-    context: int | None  # the context asked for (None: the model's default)
+    context: int | None  # the context the engine loaded it with
     handle: Any
     info: ModelInfo
     size: int  # bytes it is counted as (estimate, see footprint)
@@ -72,6 +92,10 @@ class Loaded:
     keep_alive: float | None
     load_seconds: float
     slots: int  # requests it runs at once (several: together in its engine's batch)
+    file: FileId = ""  # the file its engine opened (copies.file_id)
+    #: contexts requests asked for that it serves: ours, and the engine's own rounding
+    #: where that differs from what copies.ModelFile.context predicted
+    serves: set[int] = field(default_factory=set)
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     expires_at: float | None = None  # monotonic; None: not scheduled
@@ -84,8 +108,8 @@ class Loaded:
         self.sem = asyncio.Semaphore(self.slots)
 
     @property
-    def key(self) -> tuple[Kind, str, int | None]:
-        return (self.kind, self.name, self.context)
+    def key(self) -> Key:
+        return (self.kind, self.file, self.context)
 
     @property
     def waiting(self) -> int:
@@ -131,7 +155,8 @@ class ModelManager:
         self._loader = loader or _load_chat
         self._embed_loader = embed_loader or _load_embed
         self._available = available_memory or available_ram
-        self.models: dict[tuple[Kind, str, int | None], Loaded] = {}
+        self.models: dict[Key, Loaded] = {}
+        self._names = Names()  # names requests used, and the file each came to
         self._load_lock: asyncio.Lock | None = None
         self._reaper: asyncio.Task[None] | None = None
 
@@ -155,8 +180,16 @@ class ModelManager:
                 load: Callable[[str], Any] | None = None) -> list[Loaded]:
         """Load the command line's models before serving (errors reach the CLI as is);
         ``load(name)`` is the CLI's loader (download progress on the terminal)."""
-        out = []
+        out: list[Loaded] = []
         for name in names:
+            try:  # another spelling of a file named already: that copy
+                got = identify(name, "chat", self.config)
+            except Exception:
+                got = None  # the loader says what is wrong with it
+            mf = got[0] if got is not None else None
+            if self._pick("chat", mf, name, None) is not None:
+                self._names.learn("chat", name, mf)
+                continue
             t0 = time.monotonic()
             handle = load(name) if load else self._loader(name, self.config, None)
             out.append(self._register(name, "chat", None, handle, time.monotonic() - t0,
@@ -164,10 +197,6 @@ class ModelManager:
         return out
 
     # -- using a model ----------------------------------------------------------------
-
-    def find(self, name: str, kind: Kind = "chat", context: int | None = None
-             ) -> Loaded | None:
-        return self.models.get((kind, name, context))
 
     async def acquire(self, name: str, *, kind: Kind = "chat", context: int | None = None,
                       keep_alive: float | Literal["default"] | None = "default",
@@ -178,8 +207,7 @@ class ModelManager:
         if not name or not isinstance(name, str):
             raise APIError(400, "Missing 'model': name the model to use (see GET /v1/models)",
                            param="model")
-        loaded = self.models.get((kind, name, context)) or \
-            await self._load(name, kind, context)
+        loaded = await self._instance(name, kind, context, deadline, abort)
         capacity = loaded.slots + self.config.max_queue
         if loaded.active >= capacity:
             self.metrics.rejected.labels(model=name, reason="queue_full").inc()
@@ -194,8 +222,9 @@ class ModelManager:
         loaded.expires_at = None
         self._gauge(loaded)
         try:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            await _wait_slot(loaded.sem, timeout, abort, name, lease.started)
+            sem = loaded.sem
+            await wait(sem.acquire(), lambda _: sem.release(), left(deadline), abort,
+                       f"in the queue for '{name}'", lease.started)
         except BaseException:
             lease.release()
             raise
@@ -219,7 +248,8 @@ class ModelManager:
             m.ema_seconds = 0.8 * m.ema_seconds + 0.2 * took
         m.active -= 1
         m.last_used = time.monotonic()
-        m.keep_alive = lease.keep_alive  # Ollama's rule: the last request's, or the default
+        if not m.pinned:  # a request's keep_alive never unpins one named at start
+            m.keep_alive = lease.keep_alive  # Ollama's rule: the last request's, or default
         if m.active == 0 and not m.pinned and m.keep_alive is not None:
             m.expires_at = m.last_used + m.keep_alive
             if m.keep_alive == 0 and self.models.get(m.key) is m:
@@ -232,43 +262,124 @@ class ModelManager:
 
     # -- loading and unloading --------------------------------------------------------
 
-    async def _load(self, name: str, kind: Kind, context: int | None) -> Loaded:
-        assert self._load_lock is not None, "ModelManager.start() was not called"
-        async with self._load_lock:  # one load at a time: the fit check sees the truth
-            found = self.models.get((kind, name, context))
+    async def _instance(self, name: str, kind: Kind, context: int | None,
+                        deadline: float | None, abort: asyncio.Event | None) -> Loaded:
+        """The loaded copy that serves ``name`` at ``context``, loaded if need be. A name
+        not seen before is looked up on disk first, in a worker thread and without the
+        load lock (bounded: a folder that is no model is refused quickly); the client may
+        leave meanwhile (499), or the deadline pass (504)."""
+        found = self._pick(kind, self._names.get(kind, name), name, context)
+        if found is not None:
+            return found
+        started = time.monotonic()
+        got = await wait(asyncio.to_thread(identify, name, kind, self.config), None,
+                         left(deadline), abort, f"for '{name}' to be found", started)
+        mf, target = got if got is not None else (None, None)
+        found = self._pick(kind, mf, name, context)
+        if found is not None:
+            self._names.learn(kind, name, mf)
+            return found
+        lock = self._load_lock
+        assert lock is not None, "ModelManager.start() was not called"
+        # one load at a time: the fit check sees the truth
+        await wait(lock.acquire(), lambda _: lock.release(), left(deadline), abort,
+                   f"to load '{name}' (another model is loading)", started)
+        try:
+            return await self._load(name, kind, context, mf, target)
+        finally:
+            lock.release()
+
+    async def _load(self, name: str, kind: Kind, context: int | None,
+                    mf: ModelFile | None, target: Target | None) -> Loaded:
+        """Load ``name`` (``mf``: its file, where it is on disk; ``target``: where
+        :func:`identify` found it), holding the load lock."""
+        if mf is not None:
+            found = self._pick(kind, mf, name, context) or \
+                await self._within_copies(name, kind, mf, context)
             if found is not None:
+                self._names.learn(kind, name, mf)
                 return found
-            if kind == "chat":
-                await asyncio.to_thread(_refuse_embedding_model, name, self.config)
-            need = await asyncio.to_thread(estimate_bytes, name, context, self.config)
-            await self._make_room(need, name)
-            loader = self._loader if kind == "chat" else self._embed_loader
-            t0 = time.monotonic()
-            while True:
-                try:
-                    handle = await asyncio.to_thread(loader, name, self.config, context)
-                    break
-                except ModelTooLargeError:
-                    # the library's own fit check (a Hub model we could not size first):
-                    # free what is idle and try again, then give up with its numbers
-                    victim = self._lru_idle()
-                    if victim is None:
-                        raise
-                    await self._unload(victim, f"to make room for {name}")
-            seconds = time.monotonic() - t0
+        need = await asyncio.to_thread(estimate_bytes, name, context, self.config, target)
+        await self._make_room(need, name)
+        loader = self._loader if kind == "chat" else self._embed_loader
+        t0 = time.monotonic()
+        while True:
             try:
-                est = await asyncio.to_thread(estimate_loaded, handle.info, context)
-                kv = est.kv_cache_bytes if est is not None else 0
-                base = need if need is not None else (est.total_bytes if est is not None else 0)
-                batch = await asyncio.to_thread(self._wanted, name, kind, handle)
-                slots = await self._room_for_slots(name, base, kv, batch)
-                slots, reserved = await asyncio.to_thread(self._settle, name, handle,
-                                                          batch, slots)
-            except BaseException:
-                await asyncio.to_thread(handle.close)
-                raise
-            return self._register(name, kind, context, handle, seconds, pinned=False,
-                                  size=need, slots=slots, estimate=est, reserved=reserved)
+                handle = await asyncio.to_thread(loader, name, self.config, context)
+                break
+            except ModelTooLargeError:
+                # the library's own fit check (a Hub model we could not size first):
+                # free what is idle and try again, then give up with its numbers
+                victim = self._lru_idle()
+                if victim is None:
+                    raise
+                await self._unload(victim, f"to make room for {name}")
+        seconds = time.monotonic() - t0
+        opened = ModelFile.of(handle.info)
+        asked = {f.context(kind, context, self.config) for f in (mf, opened) if f}
+        same = self.models.get((kind, opened.id, handle.info.context_length))
+        if same is not None:  # a name first seen now (a Hub alias) for a loaded copy
+            await asyncio.to_thread(handle.close)
+            same.serves |= asked
+            self._names.learn(kind, name, opened)
+            return same
+        try:
+            est = await asyncio.to_thread(estimate_loaded, handle.info, context)
+            kv = est.kv_cache_bytes if est is not None else 0
+            base = need if need is not None else (est.total_bytes if est is not None else 0)
+            batch = await asyncio.to_thread(self._wanted, name, kind, handle)
+            slots = await self._room_for_slots(name, base, kv, batch)
+            slots, reserved = await asyncio.to_thread(self._settle, name, handle,
+                                                      batch, slots)
+        except BaseException:
+            await asyncio.to_thread(handle.close)
+            raise
+        m = self._register(name, kind, context, handle, seconds, pinned=False,
+                           size=need, slots=slots, estimate=est, reserved=reserved)
+        m.serves |= asked
+        copies = self._copies(kind, m.file)  # a Hub name's file is known only now
+        idle = [c for c in copies if c is not m and c.active == 0 and not c.pinned]
+        for other in idle[:len(copies) - MAX_COPIES]:
+            await self._unload(other, f"{name} is loaded at context {m.context}: at most "
+                               f"{MAX_COPIES} contexts of one model at once")
+        return m
+
+    def _copies(self, kind: Kind, file: FileId) -> list[Loaded]:
+        """The loaded copies of one file, least recently used first."""
+        return sorted((m for m in self.models.values() if m.kind == kind and m.file == file),
+                      key=lambda m: m.last_used)
+
+    def _pick(self, kind: Kind, mf: ModelFile | None, name: str, context: int | None
+              ) -> Loaded | None:
+        """The loaded copy a request for ``name`` (``mf``) at ``context`` gets."""
+        if mf is None:
+            return None
+        return pick(self._copies(kind, mf.id), mf, kind, name, context, self.config)
+
+    async def _within_copies(self, name: str, kind: Kind, mf: ModelFile,
+                             context: int | None) -> Loaded | None:
+        """Where :data:`MAX_COPIES` contexts of ``mf`` are loaded already: the largest
+        when it holds the context asked for, else none after the idle copy used least
+        recently has gone (a 503 with the numbers while every copy is in use)."""
+        copies = self._copies(kind, mf.id)
+        if len(copies) < MAX_COPIES:
+            return None
+        want = mf.context(kind, context, self.config)
+        largest = max(copies, key=lambda m: m.context or 0)
+        if (largest.context or 0) >= want:
+            return largest
+        idle = [m for m in copies if m.active == 0 and not m.pinned]
+        if idle:
+            await self._unload(idle[0], f"{name} at context {want} takes its place: at most "
+                               f"{MAX_COPIES} contexts of one model at once")
+            return None
+        retry = min(self.retry_after(m) for m in copies)
+        held = ", ".join(str(m.context) for m in sorted(copies, key=lambda m: m.context or 0))
+        raise APIError(503, f"'{name}' is loaded at contexts {held}, all in use, and at most "
+                       f"{MAX_COPIES} contexts of one model are loaded at once: context "
+                       f"{want} has to wait; retry in {retry} s, or ask for a context of at "
+                       f"most {largest.context}", code="too_many_copies",
+                       headers={"Retry-After": str(retry)})
 
     def _register(self, name: str, kind: Kind, context: int | None, handle: Any,
                   seconds: float, *, pinned: bool, size: int | None,
@@ -289,10 +400,12 @@ class ModelManager:
             slots, reserved = self._settle(name, handle, batch, slots)
         info: ModelInfo = handle.info
         size = footprint(size, kv, slots, reserved) + kept_bytes(handle, kind)
-        m = Loaded(name=name, kind=kind, context=context, handle=handle, info=info,
-                   size=size, pinned=pinned,
-                   keep_alive=self.config.keep_alive, load_seconds=seconds, slots=slots)
+        m = Loaded(name=name, kind=kind, context=info.context_length or context,
+                   handle=handle, info=info, size=size, pinned=pinned,
+                   keep_alive=self.config.keep_alive, load_seconds=seconds, slots=slots,
+                   file=file_id(info.path))
         self.models[m.key] = m
+        self._names.learn(kind, name, ModelFile.of(info))
         self.metrics.models_loaded.set(len(self.models))
         log.info("loaded %s (%s %s, %s) in %.2f s; %s", name, info.backend, info.format,
                  info.device or "?", seconds, "runs one request at a time" if slots == 1
@@ -418,10 +531,20 @@ class ModelManager:
         return min(idle, key=lambda m: m.last_used) if idle else None
 
     async def unload(self, name: str, kind: Kind = "chat") -> bool:
-        """Unload every instance of ``name`` that is idle (Ollama's keep_alive 0)."""
+        """Unload the idle copies of ``name``, under any spelling (Ollama's keep_alive 0).
+        A model named on the command line stays loaded: it answers normally."""
+        files = {known.id} if (known := self._names.get(kind, name)) else set()
+        if not files:
+            with contextlib.suppress(LocalrunError, APIError):
+                got = await asyncio.to_thread(identify, name, kind, self.config)
+                files |= {got[0].id} if got is not None else set()
         done = False
-        for m in [m for m in self.models.values() if m.name == name and m.kind == kind]:
-            if m.active == 0:
+        for m in [m for m in self.models.values()
+                  if m.kind == kind and (m.file in files or m.name == name)]:
+            if m.pinned:
+                log.info("keep_alive 0 for %s: it stays loaded (named on the command line)",
+                         name)
+            elif m.active == 0:
                 await self._unload(m, "keep_alive 0")
                 done = True
         return done
@@ -430,6 +553,8 @@ class ModelManager:
         if self.models.get(m.key) is not m:
             return
         del self.models[m.key]
+        if not self._copies(m.kind, m.file):  # its names may mean another file next time
+            self._names.forget(m.kind, m.file)
         self.metrics.models_loaded.set(len(self.models))
         log.info("unloading %s (%s)", m.name, why)
         await asyncio.to_thread(m.handle.close)
@@ -455,36 +580,6 @@ class ModelManager:
                 await self._unload(m, "keep-alive expired")
 
 
-async def _wait_slot(sem: asyncio.Semaphore, timeout: float | None,
-                     abort: asyncio.Event | None, name: str, started: float) -> None:
-    """Take the model's slot; give up at the deadline (504) or when the client has gone
-    (499, nginx's "client closed request": logged, never seen by anyone)."""
-    take: asyncio.Future[Any] = asyncio.ensure_future(sem.acquire())
-    stop: asyncio.Future[Any] | None = None
-    waiting = {take}
-    if abort is not None:
-        stop = asyncio.ensure_future(abort.wait())
-        waiting.add(stop)
-    done: set[asyncio.Future[Any]] = set()
-    try:
-        done, _ = await asyncio.wait(waiting, timeout=timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if stop is not None:
-            stop.cancel()
-        if take not in done:
-            take.cancel()
-            # it may have got the slot just now: then the slot goes straight back
-            take.add_done_callback(lambda t: sem.release() if not t.cancelled() else None)
-    if take in done:
-        return
-    if abort is not None and abort.is_set():
-        raise APIError(499, f"The client went away while queued for '{name}'",
-                       code="client_closed_request")
-    raise APIError(504, f"Request timed out after waiting {time.monotonic() - started:.1f} s "
-                   f"in the queue for '{name}' (--request-timeout)", code="timeout")
-
-
 # -- what loads models -------------------------------------------------------------------
 
 def _load_chat(name: str, config: ServerConfig, context: int | None) -> Any:
@@ -503,20 +598,3 @@ def _load_embed(name: str, config: ServerConfig, context: int | None) -> Any:
 
     return load_embedder(name, backend=config.backend, context=context,
                          allow_unoptimized=config.allow_unoptimized)
-
-
-def _refuse_embedding_model(name: str, config: ServerConfig) -> None:
-    """An embedding-only model asked to chat: a clear 400 before any engine loads it."""
-    from localrun.server.embeddings import embedding_only
-
-    try:
-        from localrun.resolve import resolve_local
-
-        target = resolve_local(name, backend=config.backend,
-                               allow_unoptimized=config.allow_unoptimized)
-    except LocalrunError:
-        return  # not on disk (yet): the loader decides
-    if embedding_only(target.path, target.format):
-        raise APIError(400, f"'{name}' is an embedding model: it cannot generate text; use it "
-                       "with POST /v1/embeddings or /api/embed", param="model",
-                       code="model_not_generative")

@@ -16,6 +16,7 @@ from localrun.types import ModelInfo
 
 if TYPE_CHECKING:
     from localrun.memory import MemoryEstimate
+    from localrun.resolve import Target
 
 Kind = Literal["chat", "embed"]
 
@@ -64,17 +65,20 @@ def available_ram() -> int:
     return available_ram_bytes()
 
 
-def estimate_bytes(name: str, context: int | None, config: ServerConfig) -> int | None:
+def estimate_bytes(name: str, context: int | None, config: ServerConfig,
+                   target: Target | None = None) -> int | None:
     """Memory a model will take (weights + KV cache + overhead), before loading it.
 
-    From the files for a model on disk; from the Hub plan for one that is not (None
-    when neither can say: the library's own fit check then decides)."""
+    From the files for a model on disk (``target``: where it was found already); from
+    the Hub plan for one that is not (None when neither can say: the library's own fit
+    check then decides)."""
     from localrun.resolve import resolve_local
 
     ctx = context or config.context
     try:
-        target = resolve_local(name, backend=config.backend,
-                               allow_unoptimized=config.allow_unoptimized)
+        if target is None:
+            target = resolve_local(name, backend=config.backend,
+                                   allow_unoptimized=config.allow_unoptimized)
     except LocalrunError:
         target = None
     except Exception:
@@ -102,7 +106,7 @@ def estimate_path(path: str, context: int | None, backend: str | None = None,
                    device: str | None = None) -> MemoryEstimate | None:
     """The memory of the model at ``path`` on ``backend`` (on ``device``): its KV cache
     in the element size that engine allocates there, and its overhead."""
-    from localrun.formats.detect import OPENVINO_MODEL_FILES
+    from localrun.formats.detect import OPENVINO_MODEL_FILES, folder_bytes
     from localrun.memory import (
         context_window,
         estimate,
@@ -119,7 +123,7 @@ def estimate_path(path: str, context: int | None, backend: str | None = None,
 
             shape = shape_from_gguf_metadata(read_gguf(p, check_size=False).metadata)
         else:
-            weights = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            weights = folder_bytes(p)  # as far as detection looks (bounded)
             shape = None
             for cfg in ("config.json", "genai_config.json"):
                 if (p / cfg).is_file():

@@ -1,0 +1,158 @@
+"""Which loaded model serves a request, whatever the request calls it.
+
+A model is loaded once per file and context. Every spelling of one file is that file
+(``/x/m.gguf``, ``/x``, ``/x/./m.gguf``, a symlink, the alias it was pulled as: one
+device and inode), and a request's context is the one the engine would load (``num_ctx``
+capped at the context the model was trained for, as :func:`localrun.memory.context_window`
+decides for every engine, then rounded up as the engine rounds it: llama.cpp pads to
+256). That pair is a loaded model's key. At most :data:`MAX_COPIES` contexts of one
+file are loaded at once (see :class:`localrun.server.manager.ModelManager`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from localrun.errors import UnknownModelError
+from localrun.server.config import ServerConfig
+from localrun.server.errors import APIError
+from localrun.server.sizing import Kind
+
+if TYPE_CHECKING:
+    from localrun.resolve import Target
+    from localrun.types import ModelInfo
+
+#: A model file's identity: (st_dev, st_ino) of the file or folder the engine opens; its
+#: path where it is not a file here (a remote model's URL and name).
+FileId = tuple[int, int] | str
+
+#: Contexts of one model file loaded at once. Each is a whole copy (weights, KV cache);
+#: past this a request takes the largest loaded copy when it holds the context asked
+#: for, else an idle copy makes way, else it is refused with Retry-After.
+MAX_COPIES = 2
+
+#: What an engine rounds the context it is given up to (llama.cpp pads its KV cache to
+#: 256 cells; the others load exactly the context they are given).
+CONTEXT_STEP: dict[str, int] = {"llama.cpp": 256}
+
+#: Names remembered with the file they came to (see :class:`Names`).
+MAX_NAMES = 1024
+
+#: The context an embedder falls back to where the model does not say (embeddings.py).
+EMBED_DEFAULT_CONTEXT = 512
+
+
+def file_id(path: str) -> FileId:
+    """The identity of the file or folder at ``path``, whatever its spelling."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return path
+    return (st.st_dev, st.st_ino)
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A model as its engine opens it: which file, and what fixes its context."""
+
+    id: FileId
+    path: str
+    backend: str
+    trained: int | None  # the context it was trained for (None: it does not say)
+
+    @classmethod
+    def of(cls, info: ModelInfo) -> ModelFile:
+        """The file a loaded model opened."""
+        return cls(file_id(info.path), info.path, info.backend,
+                   info.trained_context_length)
+
+    def context(self, kind: Kind, asked: int | None, config: ServerConfig) -> int:
+        """The context ``kind`` loads this model with for a request that asks for
+        ``asked`` (None: the server's ``--context``, else the model's default)."""
+        from localrun.memory import context_window
+
+        if kind == "embed":  # the embedders' rule (embeddings.py): within the trained one
+            trained = self.trained or EMBED_DEFAULT_CONTEXT
+            return min(asked, trained) if asked else trained
+        n = context_window(asked or config.context, self.trained)
+        step = CONTEXT_STEP.get(self.backend, 1)
+        return -(-n // step) * step
+
+
+def identify(name: str, kind: Kind, config: ServerConfig
+             ) -> tuple[ModelFile, Target] | None:
+    """The model file ``name`` names on this machine, found as the loader will find it,
+    before anything loads; None for a name that is not on disk (the Hub's, decided as
+    the model loads). What the loader would refuse is refused here, sooner: a folder that
+    is no model (detection is bounded: formats/detect.py), an engine that is not
+    installed, an embedding model asked to chat (a 400)."""
+    from localrun.formats.detect import detect
+    from localrun.resolve import resolve_local
+    from localrun.server.embeddings import embedding_only
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the unoptimized-format warning: the CLI said it
+            target = resolve_local(name, backend=config.backend,
+                                   allow_unoptimized=config.allow_unoptimized)
+    except UnknownModelError:
+        return None
+    if kind == "chat" and embedding_only(target.path, target.format):
+        raise APIError(400, f"'{name}' is an embedding model: it cannot generate text; use it "
+                       "with POST /v1/embeddings or /api/embed", param="model",
+                       code="model_not_generative")
+    trained = detect(target.path).context_length
+    return ModelFile(file_id(target.path), target.path, target.backend, trained), target
+
+
+class Copy(Protocol):
+    """What choosing among the loaded copies of a file reads (manager.Loaded)."""
+
+    name: str
+    context: int | None
+    pinned: bool
+    serves: set[int]
+
+
+C = TypeVar("C", bound=Copy)
+
+
+def pick(copies: Sequence[C], mf: ModelFile, kind: Kind, name: str, asked: int | None,
+         config: ServerConfig) -> C | None:
+    """The copy (of ``mf``'s file) a request for ``name`` at context ``asked`` gets: the
+    one at the context the engine would load; for a request that names none, the copy
+    named on the command line (by that name first), if any."""
+    if asked is None:
+        pinned = sorted((m for m in copies if m.pinned), key=lambda m: m.name != name)
+        if pinned:
+            return pinned[0]
+    want = mf.context(kind, asked, config)
+    return next((m for m in copies if m.context == want or want in m.serves), None)
+
+
+class Names:
+    """The names requests used and the file each came to: a name's next request needs
+    no lookup. Forgotten when no copy of that file is loaded (the name may mean another
+    file by then); at most :data:`MAX_NAMES`, the oldest forgotten first."""
+
+    def __init__(self) -> None:
+        self._files: dict[tuple[Kind, str], ModelFile] = {}
+
+    def get(self, kind: Kind, name: str) -> ModelFile | None:
+        return self._files.get((kind, name))
+
+    def learn(self, kind: Kind, name: str, mf: ModelFile | None) -> None:
+        if mf is None:
+            return
+        self._files.pop((kind, name), None)
+        self._files[(kind, name)] = mf
+        while len(self._files) > MAX_NAMES:
+            del self._files[next(iter(self._files))]
+
+    def forget(self, kind: Kind, file: FileId) -> None:
+        for k in [k for k, f in self._files.items() if k[0] == kind and f.id == file]:
+            del self._files[k]
