@@ -195,7 +195,8 @@ def test_engine_error_is_a_500_and_the_server_stays_up(srv: Running) -> None:
 
         session.generate = failing  # type: ignore[method-assign]
         # one at a time: no batcher is built, so every request runs the failing generate()
-        srv.manager._register("failing", "chat", None, m, 0.0, pinned=True, size=0, slots=1)
+        failing = srv.manager._register("failing", "chat", None, m, 0.0, pinned=True, size=0,
+                                        slots=1)
         try:
             status, _, body = request("POST", srv.v1 + "/chat/completions", {
                 "model": "failing", "messages": [{"role": "user", "content": "Hi"}]})
@@ -213,7 +214,7 @@ def test_engine_error_is_a_500_and_the_server_stays_up(srv: Running) -> None:
                 "messages": [{"role": "user", "content": "Hi"}]})
             assert status == 200
         finally:
-            del srv.manager.models[("chat", "failing", None)]
+            del srv.manager.models[failing.key]
             srv.manager.metrics.models_loaded.set(len(srv.manager.models))
 
 

@@ -223,14 +223,13 @@ def plan_local(r: ModelRef, backend: str, fmt: str, quant: str | None, budget: i
 def _find_local(r: ModelRef, fmt: str, quant: str | None) -> tuple[StoredModel, Source] | None:
     """The model ``r`` names on this machine outside the HF cache, and where it is."""
     if r.kind in ("path", "default"):
-        from localrun.formats.detect import detect
+        from localrun.formats.detect import detect, folder_bytes
         from localrun.stores import default_model_path
 
         p = r.path if r.kind == "path" else default_model_path()
         assert p is not None
         d = detect(p)
-        size = p.stat().st_size if p.is_file() else sum(
-            f.stat().st_size for f in p.rglob("*") if f.is_file())
+        size = folder_bytes(p)
         return StoredModel(r.raw, d.path, d.format, d.quantization, size, "default"), "local"
     if r.kind == "ollama":
         found = find_ollama(r.alias or "")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from localrun.server.manager import Loaded
@@ -122,10 +121,9 @@ def ollama_ps(st: ServerState) -> list[dict[str, Any]]:
 
 
 def _size(path: str) -> int:
-    p = Path(path)
+    from localrun.formats.detect import folder_bytes
+
     try:
-        if p.is_file():
-            return p.stat().st_size
-        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        return folder_bytes(path)  # as far as detection looks (bounded)
     except OSError:
         return 0
