@@ -50,6 +50,9 @@ class PullRecord:
     files: tuple[str, ...]
     cache: str  # the HF hub cache folder the files were downloaded into
     pulled_at: float = 0.0  # Unix time
+    #: files of ``files`` that were in the cache before localrun pulled them and that no
+    #: other pull had downloaded (another program did): ``rm`` keeps them
+    found: tuple[str, ...] = ()
 
     @property
     def display(self) -> str:
@@ -63,6 +66,7 @@ class PullRecord:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["files"] = list(self.files)
+        d["found"] = list(self.found)
         return d
 
     @classmethod
@@ -73,6 +77,7 @@ class PullRecord:
         try:
             kwargs = {k: v for k, v in d.items() if k in known}
             kwargs["files"] = tuple(str(f) for f in kwargs.get("files", ()))
+            kwargs["found"] = tuple(str(f) for f in kwargs.get("found", ()))
             rec = cls(**kwargs)
         except TypeError:
             return None

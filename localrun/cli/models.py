@@ -61,30 +61,65 @@ def list_models(
 
 
 def rm(
-    model: Annotated[str, typer.Argument(help="Hub repo id (org/name, or org/name:QUANT for "
-                                         "one quant) or alias.")],
+    model: Annotated[str, typer.Argument(help="A name you pulled (alias or Hub repo id, with "
+                                         "an optional :QUANT and @revision), or a Hub repo "
+                                         "id to remove that repo.")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
 ) -> None:
-    """Remove a model from the Hugging Face cache (only what belongs to it).
+    """Remove from the Hugging Face cache what a name was pulled as (nothing else).
 
-    Lists the files and the space freed, then asks; --yes skips the question.
+    An alias removes the files its `localrun pull` downloaded, at that revision only;
+    a file another pulled name still needs, or that another program had downloaded, stays.
+    A Hub repo id removes that repo (@revision: that revision; :QUANT: that quant's GGUF
+    files). The cache is shared with transformers and other programs: whatever else of
+    the model is cached is listed as kept, with the command that would remove it. Lists
+    what goes and what stays, then asks; --yes skips the question.
 
     Examples:
 
       localrun rm qwen2.5:0.5b
 
       localrun rm Qwen/Qwen2.5-7B-Instruct-GGUF:Q5_K_M --yes
+
+      localrun rm Qwen/Qwen2.5-0.5B-Instruct@main
     """
     from localrun import hub
 
+    def mib(n: int) -> str:
+        if n >= 2**30:
+            return f"{n / 2**30:,.1f} GiB"
+        return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+    def say(line: str) -> None:
+        typer.echo(line, err=True)
+
     removal = hub.plan_removal(model)
-    typer.echo(f"Will remove {removal.freed_bytes / 2**20:,.1f} MiB:", err=True)
-    for p in removal.files:
-        typer.echo(f"  {p}", err=True)
+    if removal.files:
+        say(f"Will remove {mib(removal.freed_bytes)} from the Hugging Face cache:")
+        for p in removal.files:
+            say(f"  {p}")
+        if removal.whole:
+            say(f"  that is every file of {', '.join(removal.whole)}: the revision goes "
+                "(its snapshot folder and refs)")
+    else:
+        say("Nothing to delete from the Hugging Face cache.")
+    if removal.forgets:
+        say(f"Forgets the pulled name{'s' if len(removal.forgets) > 1 else ''} (pull again "
+            f"to run offline): {', '.join(removal.forgets)}")
+    if removal.kept:
+        say("Kept:")
+        for k in removal.kept:
+            more = f"; to remove it: {k.command}" if k.command else ""
+            say(f"  {k.what} ({mib(k.size)}): {k.reason}{more}")
     if not yes and not typer.confirm("Proceed?", err=True):
         raise typer.Exit(1)
     freed = hub.remove(removal)
-    typer.echo(f"Removed {', '.join(removal.repos)} ({freed / 2**20:,.1f} MiB freed)", err=True)
+    if removal.files:
+        n = len(removal.files)
+        say(f"Removed {n} file{'s' if n > 1 else ''} from "
+            f"{', '.join(removal.repos)} ({mib(freed)} freed)")
+    else:
+        say(f"Nothing deleted; forgot {', '.join(removal.forgets)}")
 
 
 def register(app: typer.Typer) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Literal
@@ -24,7 +25,13 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from localrun.errors import ChecksumError, DiskFullError, HubNotFoundError, OfflineMissingError
+from localrun.errors import (
+    ChecksumError,
+    DiskFullError,
+    HubNotFoundError,
+    LocalrunError,
+    OfflineMissingError,
+)
 from localrun.hub.client import (
     RETRY_STATUS,
     Retry,
@@ -89,6 +96,7 @@ def fetch(plan: FetchPlan, *, progress: ProgressCallback | None = None,
     if plan.local_path is not None:
         return Path(plan.local_path)
     assert plan.repo is not None
+    _ref_to_note(plan)  # a revision that is not a ref name fails before any download
     todo = [f for f in plan.files if not _cached_now(plan, f)]
     if offline() and todo:
         raise OfflineMissingError(plan.ref, [f"{plan.repo}/{f.path}" for f in todo],
@@ -223,15 +231,48 @@ def _via_huggingface_hub(repo: str, f: PlannedFile, revision: str, meter: FileMe
     return path
 
 
-def _note_ref(plan: FetchPlan) -> None:
-    """Write down in the cache which commit the plan's branch or tag named (what
-    huggingface_hub does when asked by name, and offline plans look up): files were
-    asked for by commit."""
+#: What git (and so the Hub) refuses in a ref name; with these, ``..`` and empty or dot-led
+#: parts refused, a revision cannot name a path outside the repo's ``refs`` folder.
+_BAD_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{")
+_COMMIT = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
+
+
+def _ref_to_note(plan: FetchPlan) -> tuple[Path, str] | None:
+    """Where :func:`_note_ref` writes and what: ``refs/<revision>`` in the repo's cache
+    folder, holding the commit. Raises LocalrunError for a revision that is not a ref name
+    (``../x``, an absolute path, control characters) or a commit that is not a hash."""
     rev, commit = plan.revision, plan.commit
     if plan.source != "hub" or plan.repo is None or not rev or not commit \
             or commit.startswith(rev):
+        return None
+    parts = rev.split("/")
+    if len(rev.encode("utf-8", "surrogatepass")) > 255 or _BAD_REF.search(rev) or rev == "@" \
+            or any(not p or p.startswith(".") or p.endswith((".", ".lock")) for p in parts):
+        raise LocalrunError(f"{rev!r} is not a valid revision name",
+                            hint="a branch, tag or commit of the repo: no '..', spaces, "
+                            "control characters or ~^:?*[\\, no empty part or part "
+                            "starting with '.' between '/'")
+    if not _COMMIT.match(commit):
+        raise LocalrunError(f"The Hub named {commit!r} as the commit of {plan.repo}@{rev}, "
+                            "which is not a commit hash",
+                            hint="check that HF_ENDPOINT is a Hugging Face Hub or mirror")
+    refs = storage(plan.repo) / "refs"
+    ref = refs.joinpath(*parts)
+    if refs.resolve() not in ref.resolve().parents:  # a linked folder on the way
+        raise LocalrunError(f"{rev!r} is not a valid revision name",
+                            hint=f"it would be written outside {refs}")
+    return ref, commit
+
+
+def _note_ref(plan: FetchPlan) -> None:
+    """Write down in the cache which commit the plan's branch or tag named (what
+    huggingface_hub does when asked by name, and offline plans look up): files were
+    asked for by commit. Refuses a revision that is not a ref name (see
+    :func:`_ref_to_note`)."""
+    target = _ref_to_note(plan)
+    if target is None:
         return
-    ref = storage(plan.repo) / "refs" / rev
+    ref, commit = target
     with contextlib.suppress(OSError):
         ref.parent.mkdir(parents=True, exist_ok=True)
         tmp = ref.with_name(ref.name + ".tmp")

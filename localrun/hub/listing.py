@@ -136,6 +136,20 @@ def remember(plan: FetchPlan) -> None:
         name=name, backend=plan.backend, quant=plan.asked_quant, repo=plan.repo,
         revision=plan.revision or "main", commit=plan.commit, format=plan.format,
         variant_quant=plan.quant, subfolder=plan.subfolder, primary=plan.primary,
-        files=tuple(f.path for f in plan.files), cache=cache_dir())
+        files=tuple(f.path for f in plan.files), cache=cache_dir(), found=_found(plan))
     with contextlib.suppress(OSError):
         pulls.remember(rec)
+
+
+def _found(plan: FetchPlan) -> tuple[str, ...]:
+    """The plan's files that were cached when it was made and that no pull downloaded
+    (another program did): ``localrun rm`` keeps them. A file an earlier pull (of any
+    name) downloaded stays localrun's."""
+    cached = [f.path for f in plan.files if f.cached]
+    if not cached or plan.repo is None:
+        return ()
+    ours: set[str] = set()
+    for rec in records():
+        if rec.repo.lower() == plan.repo.lower() and rec.commit == plan.commit:
+            ours.update(set(rec.files) - set(rec.found))
+    return tuple(p for p in cached if p not in ours)
