@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -299,8 +299,35 @@ def test_spellings_and_contexts_share_bounded_copies(gguf_spellings: list[str]) 
         finally:
             await mgr.stop()
 
+    async def budget() -> None:
+        """Each copy counts in the memory plan: where --max-memory holds one, a second
+        context makes the idle one go, and waits (503) while that one is in use."""
+        from localrun.server.sizing import estimate_bytes
+
+        loads.clear()
+        cfg = _config(parallel=1, context=512, backend="llama.cpp")
+        small = estimate_bytes(gguf_spellings[0], 1024, cfg) or 0
+        large = estimate_bytes(gguf_spellings[0], 2048, cfg) or 0
+        assert 0 < small < large
+        mgr = ModelManager(replace(cfg, max_memory=large + small // 2), Metrics(),
+                           loader=load)
+        await mgr.start()
+        try:
+            (await mgr.acquire(gguf_spellings[0], context=1024)).release()
+            first = next(iter(mgr.models.values()))
+            lease = await mgr.acquire(gguf_spellings[3], context=2048)
+            assert first.handle.closed and list(mgr.models.values()) == [lease.loaded]
+            with pytest.raises(APIError) as e:
+                await mgr.acquire(gguf_spellings[1], context=1024)
+            assert e.value.status == 503 and "Not enough memory" in e.value.message
+            lease.release()
+            assert len(loads) == 2
+        finally:
+            await mgr.stop()
+
     asyncio.run(shared())
     asyncio.run(busy())
+    asyncio.run(budget())
 
 
 def _rss() -> int:
@@ -398,3 +425,37 @@ def test_keep_alive_0_never_unloads_a_pinned_model(gguf_spellings: list[str]) ->
             (entry,) = json.loads(ps)["models"]
             assert entry["name"] == MODEL and entry["expires_at"].startswith("2318-"), entry
         assert loads == []  # every spelling got the pinned copy
+
+
+def test_the_command_line_names_a_file_once_whatever_its_spellings(
+        gguf_spellings: list[str]) -> None:
+    """``localrun serve FILE FOLDER`` (two spellings of one file) loads it once, pinned;
+    a request under either spelling gets that copy, and keep_alive 0 leaves it."""
+    from localrun.server.manager import ModelManager
+    from localrun.server.metrics import Metrics
+
+    loads: list[str] = []
+
+    def load(name: str) -> _FakeModel:
+        loads.append(name)
+        return _FakeModel(detect(name).path, None)
+
+    config = _config(parallel=1, backend="llama.cpp")
+    mgr = ModelManager(config, Metrics())
+    (pinned,) = mgr.preload((gguf_spellings[1], gguf_spellings[4]), load=load)
+    assert loads == [gguf_spellings[1]] and pinned.pinned
+
+    async def requests() -> None:
+        await mgr.start()
+        try:
+            for name in gguf_spellings:
+                lease = await mgr.acquire(name, keep_alive=0)
+                assert lease.loaded is pinned
+                lease.release()
+                assert not await mgr.unload(name)  # Ollama's unload: it stays
+            await asyncio.sleep(0.6)  # past the reaper's tick
+            assert list(mgr.models.values()) == [pinned] and pinned.expires_wall() is None
+        finally:
+            await mgr.stop()
+
+    asyncio.run(requests())
