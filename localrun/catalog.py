@@ -59,6 +59,9 @@ class CatalogEntry:
     #: names the model goes by inside files (GGUF general.name, config.json
     #: _name_or_path) beyond its repo names, e.g. a training-run name
     model_names: tuple[str, ...] = ()
+    #: parameters in billions, for entries whose names do not say (``phi4-mini``); a
+    #: plan made without the Hub sizes the model from it
+    params_b: float | None = None
 
     def variants_for(self, format: str) -> list[Variant]:
         """Known variants in ``format``: verified ones first, in catalog order."""
@@ -79,7 +82,8 @@ def _entry(alias: str, raw: dict[str, Any]) -> CatalogEntry:
                         gated=bool(raw.get("gated", False)),
                         names=tuple(raw.get("names", ())), variants=variants,
                         sampling=dict(raw.get("sampling", {})),
-                        model_names=tuple(raw.get("model_names", ())))
+                        model_names=tuple(raw.get("model_names", ())),
+                        params_b=raw.get("params_b"))
 
 
 @cache

@@ -3,7 +3,8 @@
 Pure arithmetic over numbers the caller gathered (file sizes from the Hub, the model's
 shape from GGUF metadata or config.json). No I/O except the small readers at the end,
 which take the shape from a GGUF header (:mod:`localrun.formats.gguf` parses it) or a
-config dict.
+config dict, and the weights' size, parameter count and shape from a model on disk (for
+a plan made without the Hub).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from localrun.formats.gguf import GGUFMetadata
@@ -331,3 +333,96 @@ def shape_from_gguf_metadata(meta: Mapping[str, Any]) -> ModelShape | None:
     if keys.architecture and layers and kv and hd:
         return ModelShape(layers, kv, hd, keys.context_length)
     return None
+
+
+# --- estimates without the Hub: local files, a parameter count --------------------------
+
+#: Files that hold a model's weights (their sizes are the weights' bytes).
+WEIGHT_FILE = re.compile(r"(?i)\.(gguf|safetensors|bin|onnx|onnx\.data|onnx_data|data)$")
+#: A GGUF shard's name: ``model-00001-of-00003.gguf``.
+GGUF_SHARD = re.compile(r"(?i)^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def gguf_shards(path: Path) -> list[Path]:
+    """Every shard of the GGUF model ``path`` is (itself alone when not sharded)."""
+    m = GGUF_SHARD.match(path.name)
+    if m is None:
+        return [path]
+    n = int(m.group(3))
+    shards = [path.with_name(f"{m.group(1)}-{i:05d}-of-{m.group(3)}.gguf")
+              for i in range(1, n + 1)]
+    return [s for s in shards if s.is_file()]
+
+
+def local_weights_bytes(path: Path) -> int:
+    """Bytes of a local model's weights: a GGUF file (all its shards), or the weight
+    files of a model folder (safetensors, ONNX data, OpenVINO .bin), not its other files."""
+    if path.is_file():
+        files = gguf_shards(path) if path.suffix.lower() == ".gguf" else [path]
+    else:
+        files = [f for f in path.iterdir() if f.is_file() and WEIGHT_FILE.search(f.name)]
+    return sum(f.stat().st_size for f in files)
+
+
+def local_parameters(path: Path) -> int | None:
+    """A GGUF model's parameter count (the elements of its tensors, every shard); None for
+    other formats (a quantized folder's tensors are packed, their elements not weights)."""
+    from localrun.formats.gguf import read_gguf
+
+    if not (path.is_file() and path.suffix.lower() == ".gguf"):
+        return None
+    return sum(read_gguf(s).parameters for s in gguf_shards(path)) or None
+
+
+def local_shape(path: Path) -> tuple[ModelShape | None, str | None]:
+    """A local model's shape and the file it came from: a GGUF header, else the folder's
+    (or, for an ONNX variant folder, its parent's) genai_config.json or config.json,
+    else an OpenVINO IR's state variables."""
+    import json
+
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            return None, None
+        from localrun.formats.gguf import read_gguf
+
+        return shape_from_gguf_metadata(read_gguf(path).metadata), "its GGUF header"
+    for folder in (path, path.parent):
+        for name in ("genai_config.json", "config.json"):
+            f = folder / name
+            try:
+                data = json.loads(f.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            shape = shape_from_config(data) if isinstance(data, dict) else None
+            if shape is not None:
+                return shape, name
+    for name in ("openvino_model.xml", "openvino_language_model.xml"):
+        try:
+            shape = shape_from_openvino_ir((path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if shape is not None:
+            return shape, name
+    return None, None
+
+
+def weights_at(parameters: float, bits_per_weight: float) -> int:
+    """Bytes of ``parameters`` weights quantized to ``bits_per_weight``."""
+    return int(parameters * bits_per_weight / 8)
+
+
+def verdict(est: MemoryEstimate, budget: int | None, max_context: int | None) -> str:
+    """One line: whether ``est`` fits ``budget``, with the numbers (as a Hub plan says it);
+    a KV cache that could not be counted makes the need a lower bound."""
+    need = _gib(est.total_bytes) if est.kv_known else f"at least {_gib(est.total_bytes)}"
+    kv = "" if est.kv_known else " (KV cache not counted)"
+    if budget is None:
+        return f"needs {need}{kv} (no memory budget given)"
+    fits = est.total_bytes <= budget
+    line = (f"{'fits' if fits else 'does NOT fit'}: needs {need} of {_gib(budget)} at context "
+            f"{est.context:,}{kv}")
+    if not fits and max_context:
+        line += f"; the largest context that fits is {max_context:,}"
+    elif not fits and est.weights_bytes + est.overhead_bytes > budget:
+        line += f"; the weights alone take {_gib(est.weights_bytes)}"
+    return line

@@ -3,21 +3,29 @@
 Steps, each adding to the Plan: (1) the hardware (detected, or a described machine),
 (2) the model reference (a local file or folder gives its format, quantization and
 size), (3) selection, (4) the Hub: which repo and files, and whether they fit in
-memory (:mod:`localrun.hub`, API calls only, no weights). Local models skip step 4.
+memory (:mod:`localrun.hub`, API calls only, no weights). Local models skip step 4: their
+memory is estimated from their own files. Without the Hub (offline, unreachable), the
+memory is estimated from what is known here: files an earlier download of the same name
+left in the cache, else the parameter count the catalog or the name gives, at the
+planned quantization; the plan says which.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from localrun import hardware as _hardware
+from localrun import memory
 from localrun.hardware import GiB, HardwareProfile
-from localrun.memory import gpu_share
+from localrun.memory import MemoryEstimate, ModelShape, gpu_share
 from localrun.selection import Plan, PlanRequest, Preference, select
 
 if TYPE_CHECKING:
+    from localrun.errors import LocalrunError
     from localrun.hub import FetchPlan
 
 
@@ -51,13 +59,38 @@ def plan(
     except FormatMismatchError:
         raise
     except LocalrunError as e:
-        if not hub:
+        if not hub or model is None:
             raise
-        # The engine choice stands without the Hub; say what the Hub step could not do.
+        # The engine choice stands without the Hub; say what the Hub step could not do,
+        # and size the model from what is known here.
         chosen = plan_fetch(model, backend=backend, hardware=hardware, installed=installed,
                             prefer=prefer, allow_unoptimized=allow_unoptimized, hub=False)[0]
-        note = f"Hub step skipped: {e.message}" + (f" ({e.hint})" if e.hint else "")
-        return replace(chosen, notes=(*chosen.notes, note))
+        chosen = replace(chosen, notes=(*chosen.notes,
+                                        _hub_skipped(e, model, chosen, hardware is not None)))
+        basis = _offline_basis(model, chosen.format, quant or chosen.quantization)
+        if basis is None:
+            return replace(chosen, notes=(*chosen.notes, (
+                f"memory not estimated: nothing here says how large {model} is (no earlier "
+                "download of it in the cache, no parameter count in the catalog or the "
+                "name)")))
+        profile = hardware if hardware is not None else _hardware.detect_hardware()
+        return _with_estimate(chosen, basis, profile, context)
+
+
+def _hub_skipped(e: LocalrunError, model: str, chosen: Plan, described: bool) -> str:
+    """The plan's note for a Hub step that failed: what happened, and what would let it
+    run. Offline, "run localrun pull first" would be circular (a pull needs the Hub too)
+    and, for a described machine, wrong (a pull plans for this one)."""
+    from localrun.errors import HubUnavailableError, OfflineMissingError
+
+    if not isinstance(e, (OfflineMissingError, HubUnavailableError)):
+        return f"Hub step skipped: {e.message}" + (f" ({e.hint})" if e.hint else "")
+    what = (f"the repo and files for {chosen.backend} on the described machine"
+            if described else f"the repo and files for {chosen.backend}")
+    reach = ("unset HF_HUB_OFFLINE" if isinstance(e, OfflineMissingError)
+             and "HF_HUB_OFFLINE" in e.reason else "connect to the Hub")
+    return (f"Hub step skipped: {e.message}. Listing {what} needs the Hub: {reach}, or set "
+            "HF_ENDPOINT=URL to use a mirror or proxy of it, and plan again")
 
 
 def plan_fetch(
@@ -82,7 +115,11 @@ def plan_fetch(
     request = request_for(model, backend=backend, prefer=prefer,
                           allow_unoptimized=allow_unoptimized, quant=quant)
     chosen = select(profile, engines, request)
-    if request.format is not None or not hub or model is None:
+    if request.format is not None:  # a model on disk: its own files size it
+        basis = _local_basis(model, request)
+        return (chosen if basis is None else
+                _with_estimate(chosen, basis, profile, context)), None
+    if not hub or model is None:
         return chosen, None
     return _with_hub(chosen, model, profile, engines, backend, context, quant, allow_unoptimized,
                      request)
@@ -119,15 +156,15 @@ def _with_hub(chosen: Plan, model: str, profile: HardwareProfile, engines: Mappi
     filled = replace(
         chosen, repo=fp.repo, quantization=fp.quant or chosen.quantization,
         format=fp.format, files=tuple(f.path for f in fp.files), memory=mem,
-        reasons=(*chosen.reasons, *fp.reasons, *_offload_reasons(profile, chosen, fp)),
+        reasons=(*chosen.reasons, *fp.reasons, *_offload_reasons(profile, chosen, fp.memory)),
     )
     return filled, fp
 
 
-def _offload_reasons(profile: HardwareProfile, chosen: Plan, fp: FetchPlan) -> list[str]:
+def _offload_reasons(profile: HardwareProfile, chosen: Plan,
+                     est: MemoryEstimate) -> list[str]:
     """llama.cpp on a GPU too small for the whole model: say that it offloads part."""
     vram = _vram(profile, chosen.device) if chosen.backend == "llama.cpp" else None
-    est = fp.memory
     if vram is None or est.total_bytes <= vram:
         return []
     share = gpu_share(est.weights_bytes, est.kv_cache_bytes, vram)
@@ -211,6 +248,127 @@ def _device_for(profile: HardwareProfile, backend: str) -> str:
     version = installed_backends().get(backend, "assumed")  # the build decides ONNX's device
     plan = select(profile, {backend: version}, PlanRequest(backend=backend))
     return plan.device
+
+
+# --- memory without the Hub ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Basis:
+    """What an estimate rests on: the weights' bytes, the shape (None: the KV cache is
+    unknown), and where both came from, in words."""
+
+    weights_bytes: int
+    shape: ModelShape | None
+    source: str
+
+
+def _local_basis(model: str | None, request: PlanRequest) -> _Basis | None:
+    """A model on disk: the sizes of its weight files and the shape its GGUF header or
+    config.json gives."""
+    from localrun.refs import local_path
+
+    path = local_path(model)
+    if path is None:
+        return None
+    path = Path(path)
+    try:
+        weights = memory.local_weights_bytes(path)
+        shape, where = (request.shape, "its GGUF header") if request.shape is not None \
+            else memory.local_shape(path)
+    except OSError:
+        return None
+    shape_note = f"the shape in {where}" if shape is not None else "no shape (KV cache unknown)"
+    return _Basis(weights, shape, f"the files of {path}: weights {weights / GiB:.2f} GiB, "
+                  f"{shape_note}")
+
+
+#: A number of bits in a quantization's name: 4.0bpw, 4bit, int4, bf16, 6_5 (EXL2 branch).
+_BITS = re.compile(r"(\d+(?:[._]\d+)?)")
+
+
+def bits_per_weight(quant: str | None, fmt: str) -> float | None:
+    """Bits per weight of a quantization by its name (GGUF by its type), else the
+    format's default target (None where that is "the largest that fits")."""
+    from localrun.hub.fit import DEFAULT_TARGET
+    from localrun.hub.variants import GGUF_BPW
+
+    if quant:
+        known = {k.lower(): v for k, v in GGUF_BPW.items()}.get(quant.lower())
+        if known is not None:
+            return known
+        if fmt != "gguf" and (m := _BITS.search(quant)):
+            return float(m.group(1).replace("_", "."))
+    target = DEFAULT_TARGET.get(fmt)
+    return target if target is not None and target != float("inf") else None
+
+
+def _offline_basis(model: str, fmt: str, quant: str | None) -> _Basis | None:
+    """Without the Hub: the parameter count and shape read from what an earlier download
+    of ``model`` left in the cache (any engine), else the parameter count the catalog or
+    the name gives; the weights at ``quant`` in ``fmt``."""
+    from localrun.hub.fit import pulled_paths
+    from localrun.hub.variants import model_size
+    from localrun.refs import parse_ref
+
+    bpw = bits_per_weight(quant, fmt)
+    if bpw is None:
+        return None
+    params: float | None = None
+    counted = ""
+    shape: ModelShape | None = None
+    shaped = "KV cache not counted (the model's shape needs its config.json or GGUF header)"
+    for path in pulled_paths(model):
+        try:
+            n = memory.local_parameters(path)
+            found, where = memory.local_shape(path)
+        except OSError:
+            continue
+        if n and params is None:
+            params, counted = float(n), (f"{_size(n / 1e9)} parameters counted in "
+                                         f"{path.name} (downloaded earlier)")
+        if found is not None and shape is None:
+            shape, shaped = found, f"the KV cache from the shape in {where} of {path.name}"
+    if params is None:
+        ref = parse_ref(model)
+        entry = ref.entry
+        if entry is not None and entry.params_b:
+            params = entry.params_b * 1e9
+            counted = f"the catalog's parameter count ({_size(entry.params_b)})"
+        else:
+            names = [n for n in (entry.base if entry else None, ref.repo, ref.alias) if n]
+            size = next((s for s in map(model_size, names) if s is not None), None)
+            if size is None:
+                return None
+            params, counted = size * 1e9, f"the parameter count in its name ({_size(size)})"
+    weights = memory.weights_at(params, bpw)
+    label = quant or f"{bpw:g} bits"
+    return _Basis(weights, shape, f"{counted} at {label} ({bpw:g} bits per weight): weights "
+                  f"{weights / GiB:.1f} GiB; {shaped}")
+
+
+def _size(billions: float) -> str:
+    """135M, 1.5B, 72B."""
+    return f"{billions * 1000:.3g}M" if billions < 1 else f"{billions:.3g}B"
+
+
+def _with_estimate(chosen: Plan, basis: _Basis, profile: HardwareProfile,
+                   context: int | None) -> Plan:
+    """``chosen`` with the memory ``basis`` needs at the context the engine loads, on
+    its device, and whether that fits."""
+    trained = basis.shape.trained_context if basis.shape else None
+    ctx = memory.context_window(context, trained)
+    est = memory.estimate(basis.weights_bytes, basis.shape, ctx, backend=chosen.backend,
+                          device=chosen.device)
+    budget = memory_budget(profile, chosen.device, chosen.backend)
+    max_ctx = (memory.max_context(basis.weights_bytes, basis.shape, budget, limit=trained,
+                                  backend=chosen.backend, device=chosen.device)
+               if budget is not None else None)
+    fits = budget is None or est.total_bytes <= budget
+    mem = est.to_dict()
+    mem.update(budget=budget, context=ctx, max_context=max_ctx, fits=fits,
+               verdict=memory.verdict(est, budget, max_ctx), estimated_from=basis.source)
+    return replace(chosen, memory=mem,
+                   reasons=(*chosen.reasons, *_offload_reasons(profile, chosen, est)))
 
 
 #: Share of unified memory a Mac's GPU may wire by default (macOS recommends ~65-75%).

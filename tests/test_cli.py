@@ -154,6 +154,20 @@ def _read_until(fd: int, needle: str, timeout: float = 90) -> str:
     return buf
 
 
+def _read_some(fd: int, n: int, timeout: float = 90) -> str:
+    """At least ``n`` more characters of output."""
+    buf = ""
+    end = time.monotonic() + timeout
+    while len(buf) < n:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"timed out waiting for output; got {buf!r}")
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            buf += os.read(fd, 4096).decode("utf-8", "replace")
+    return buf
+
+
 class _PtyChat:
     """The real `localrun chat` on a pseudo-terminal, as a person types into it."""
 
@@ -223,15 +237,26 @@ def pty_chat() -> Iterator[Callable[..., _PtyChat]]:
 def test_chat_interactive_session(clean_env: dict[str, str],
                                   pty_chat: Callable[..., _PtyChat]) -> None:
     chat = pty_chat(clean_env, "--temperature", "0", "--max-tokens", "300")
-    assert "llama.cpp" in chat.header and "Q4_1" in chat.header
+    # the model as the README names it, not the GGUF's general.name
+    assert "smollm2:135m · llama.cpp" in chat.header and "Q4_1" in chat.header
+    assert "Smollm2 135M" not in chat.header
     assert "/reset" in chat.send("/help")
     reply = chat.send("What is 2+2?")
     assert "4" in reply or "four" in reply.lower()
     assert "TTFT" in chat.send("/stats")
-    # Ctrl-C stops a long reply and returns to the prompt
+    # Ctrl-C stops a long reply and returns to the prompt; keys typed while it streams
+    # are not echoed into it, and start the next line (Ctrl-C keeps them)
     os.write(chat.fd, b"Write a very long story about a dragon and a knight.\n")
-    time.sleep(1.0)
-    assert "[stopped]" in chat.send_bytes(b"\x03")
+    _read_until(chat.fd, "knight.")  # the line as the prompt echoed it
+    _read_some(chat.fd, 20)  # the reply has started
+    os.write(chat.fd, b"/sta")
+    time.sleep(0.5)
+    stopped = chat.send_bytes(b"\x03")
+    assert "[stopped]" in stopped
+    assert "/sta" not in stopped.split("[stopped]")[0]
+    # "ts" completes the kept "/sta": /stats reports the cancelled reply, not the one before
+    stats = chat.send("ts")
+    assert "finish: cancelled (Ctrl-C)" in stats, stats
     assert "cleared" in chat.send("/reset")
     os.write(chat.fd, b"\x04")  # Ctrl-D exits
     assert chat.exit_code() == 0

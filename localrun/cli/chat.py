@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,8 @@ Commands:
   /stats         tokens, time to first token and speed of the last reply
   /exit          leave (or Ctrl-D)
 Multi-line input: end a line with \\ to continue it, or wrap the text in \"\"\" lines.
-Ctrl-C stops the reply being generated; Ctrl-C at the prompt clears the line."""
+Ctrl-C stops the reply being generated (/stats then says "cancelled"); keys typed
+while a reply streams start the next line. Ctrl-C at the prompt clears the line."""
 
 
 def _read_message() -> str | None:
@@ -57,17 +59,33 @@ def _read_message() -> str | None:
     return "\n".join(parts)
 
 
-def _stats_line(c: Any) -> str:
+def _stats_line(c: Any, stopped: str | None = None) -> str:
+    """/stats: the last reply's numbers; ``stopped`` says who cut it short."""
     t = c.timings
+    finish = f"{c.finish_reason} ({stopped})" if stopped else c.finish_reason
     return (f"{c.usage.prompt_tokens} prompt + {c.usage.completion_tokens} reply tokens · "
             f"TTFT {t.ttft * 1000:.0f} ms · prefill {t.prefill_tps:.0f} tok/s · "
-            f"decode {t.decode_tps:.1f} tok/s · {t.total:.2f} s · finish: {c.finish_reason}")
+            f"decode {t.decode_tps:.1f} tok/s · {t.total:.2f} s · finish: {finish}")
+
+
+def _stats(last: tuple[Any, str | None] | None) -> str:
+    if last is None:
+        return "No reply yet."
+    completion, stopped = last
+    if completion is None:
+        return f"The last reply was cancelled ({stopped}) before the engine reported its numbers."
+    return _stats_line(completion, stopped)
 
 
 def _header(m: Any, name: str | None) -> str:
+    """The model as the user named it (the embedded one by its alias, not the file's own
+    general.name), then the engine, format and context."""
+    from localrun.stores import DEFAULT_MODEL_ALIAS
+
     i = m.info
     quant = f" {i.quantization}" if i.quantization else ""
-    return (f"{name or i.name or i.path} · {i.backend} {i.engine_version} · "
+    shown = name or (DEFAULT_MODEL_ALIAS if _is_embedded(m) else i.name or i.path)
+    return (f"{shown} · {i.backend} {i.engine_version} · "
             f"{i.format}{quant} · context {i.context_length}")
 
 
@@ -82,30 +100,68 @@ def _is_embedded(m: Any) -> bool:
 
 @dataclass
 class _Reply:
-    """A reply as it streams: its text, and the line to show if it was cut short."""
+    """A reply as it streams: its text, the line to show if it was cut short, and
+    whether the loop guard or Ctrl-C stopped it."""
 
     text: str = ""
     note: str | None = None
+    looped: bool = False
+    interrupted: bool = False
+
+
+#: Characters of a looping unit quoted in the note (a sentence can be long).
+NOTE_UNIT_CHARS = 60
+
+
+def _quoted(unit: str) -> str:
+    return repr(unit if len(unit) <= NOTE_UNIT_CHARS else unit[:NOTE_UNIT_CHARS] + "…")
+
+
+@contextlib.contextmanager
+def _ctrl_c_cancels(stream: Any, reply: _Reply) -> Iterator[None]:
+    """While a reply streams, Ctrl-C cancels it: the stream then ends by itself with
+    ``finish_reason="cancelled"`` and its usage and timings (for /stats). A second
+    Ctrl-C, if the engine has not stopped yet, interrupts as usual."""
+    import signal
+
+    def cancel(signum: int, frame: Any) -> None:
+        if reply.interrupted:
+            raise KeyboardInterrupt
+        reply.interrupted = True
+        stream.cancel()
+
+    try:
+        previous = signal.signal(signal.SIGINT, cancel)
+    except ValueError:  # not the main thread: Ctrl-C raises KeyboardInterrupt as before
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _print_reply(stream: Any, reply: _Reply) -> None:
-    """Stream a reply to stdout; cancel it once it is stuck repeating a short cycle.
+    """Stream a reply to stdout; cancel it once it is stuck repeating a phrase or a
+    sentence (:func:`localrun.repetition.find_cycle`).
 
     ``reply.text`` keeps a cut-off cycle once, so the conversation does not teach the
-    model its own loop; it holds what was shown so far if Ctrl-C interrupts.
+    model its own loop; it holds what was shown so far if Ctrl-C interrupts (the pieces
+    the engine still sends before it stops are not shown).
     """
     from localrun.repetition import find_cycle, strip_cycle
 
     for chunk in stream:
-        if reply.note is not None:  # cancelled: only the last chunk (usage, timings) is left
+        if reply.note is not None or reply.interrupted:  # cancelled: wait for the last chunk
             continue
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         reply.text += chunk.text
         if chunk.text and (cycle := find_cycle(reply.text)) is not None:
             stream.cancel()
+            reply.looped = True
             reply.text = strip_cycle(reply.text, cycle)
-            reply.note = (f"stopped: the reply was repeating {cycle.unit!r} "
+            reply.note = (f"stopped: the reply was repeating {_quoted(cycle.unit)} "
                           f"({cycle.repeats} times in a row)")
     c = stream.completion
     if reply.note is None and c is not None and c.finish_reason == "length":
@@ -137,7 +193,9 @@ def chat(
 
     Type /help inside the chat for its commands. When stdin is not a terminal,
     the whole input is one message: it is answered once and chat exits. A reply
-    stuck repeating a short phrase is stopped, with a note on stderr.
+    stuck repeating a phrase or a sentence is stopped, with a note on stderr.
+    Keys typed while a reply streams are not echoed into it: they start the next
+    input line.
 
     Examples:
 
@@ -148,6 +206,7 @@ def chat(
       echo "What is the capital of France?" | localrun chat
     """
     from localrun.cli._input import CONVERT, bad_byte_message, check_text, read_stdin
+    from localrun.cli._typeahead import TypeAhead, clear_prefill, prefill
     from localrun.errors import ContextOverflowError, LocalrunError
 
     options = sampling.kwargs()
@@ -182,11 +241,14 @@ def chat(
 
         sys.stderr.write(_header(m, model) + "\n")
         sys.stderr.write("Type /help for commands, Ctrl-D to exit.\n")
-        last = None
+        last: tuple[Any, str | None] | None = None  # the last reply's Completion; who cut it
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401  (line editing and history for input())
+        typed = ""  # keys typed while the last reply streamed: the next line starts with them
         while True:
             try:
+                prefill(typed)
+                typed = ""
                 message = _read_message()
                 if message is not None:
                     check_text("That message", message, hint="type it again")
@@ -200,6 +262,8 @@ def chat(
             except LocalrunError as e:
                 sys.stderr.write(f"error: {e.message}\n  hint: {e.hint}\n")
                 continue
+            finally:
+                clear_prefill()
             if message is None:
                 sys.stderr.write("\n")
                 return
@@ -221,25 +285,32 @@ def chat(
                     sys.stderr.write("System prompt set; conversation cleared.\n"
                                      if system_prompt else "System prompt removed.\n")
                 elif cmd == "/stats":
-                    sys.stderr.write((_stats_line(last) if last else "No reply yet.") + "\n")
+                    sys.stderr.write(_stats(last) + "\n")
                 else:
                     sys.stderr.write(f"Unknown command {cmd}; /help lists them.\n")
                 continue
             history.append({"role": "user", "content": message})
             stream = m.stream(conversation(), **structured, **options)
             reply = _Reply()
+            keys = TypeAhead()
             try:
-                _print_reply(stream, reply)
-                last = stream.completion
-            except KeyboardInterrupt:
+                with keys, _ctrl_c_cancels(stream, reply):
+                    _print_reply(stream, reply)
+                if reply.interrupted:
+                    sys.stdout.write(" [stopped]")
+                last = (stream.completion, "Ctrl-C" if reply.interrupted
+                        else "it was repeating itself" if reply.looped else None)
+            except KeyboardInterrupt:  # a second Ctrl-C: the engine had not stopped yet
                 stream.close()
                 sys.stdout.write(" [stopped]")
+                last = (None, "Ctrl-C")
             except ContextOverflowError as e:
                 history.pop()
                 sys.stderr.write(f"error: {e.message}\n  hint: /reset to start over\n")
                 continue
             finally:
                 stream.close()
+                typed = keys.text
             sys.stdout.write("\n")
             if reply.note:
                 _dim(reply.note)

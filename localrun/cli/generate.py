@@ -327,7 +327,8 @@ def generate(
                       "each; re-running with the same file resumes.")] = Path("-"),
     concurrency: Annotated[int | None, typer.Option("--concurrency", "-j", help="Most "
                            "prompts in flight at once on engines that batch (default: the "
-                           "engine decides; llama.cpp runs them in turn).")] = None,
+                           "engine decides: llama.cpp, MLX, OpenVINO, ExLlama and remote "
+                           "servers batch them, ONNX runs them in turn).")] = None,
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first "
                          "malformed line or failed prompt.")] = False,
     retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Run ids whose "

@@ -21,15 +21,17 @@ from typing import Annotated, Any, ClassVar
 import typer
 
 from localrun.errors import LocalrunError
+from localrun.hardware.profile import profile_names
 
 ModelArg = Annotated[
     str | None,
     typer.Argument(help="Model: a .gguf file, a model folder, or a name such as smollm2:135m "
                    "(default: the embedded SmolLM2-135M-Instruct)."),
 ]
-#: Also taken alone by `pull`, whose other engine flags are its own.
+#: Also taken alone by `pull`, whose other engine flags are its own (under the same heading).
 Context = Annotated[int | None, typer.Option(
-    "--context", "-c", help="Context window in tokens (default: the model's, up to 8192).")]
+    "--context", "-c", help="Context window in tokens (default: the model's, up to 8192).",
+    rich_help_panel="Model loading")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +194,7 @@ class RemoteFlags(OptionGroup):
         "http://host:8000/v1; implies --backend remote.")] = None
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="LOCALRUN_REMOTE_API_KEY",
-        help="Key for --base-url's server (sent as a Bearer token).")] = None
+        help="Key for --base-url's server (sent as a Bearer token). Not LOCALRUN_API_KEY: that one is the key 'localrun serve' asks of its own clients.")] = None
     vllm_python: Annotated[str | None, typer.Option(
         "--vllm-python", envvar="LOCALRUN_VLLM_PYTHON",
         help="Python of the environment vLLM is installed in (--backend vllm).")] = None
@@ -223,8 +225,7 @@ class DownloadFlags(OptionGroup):
         "--quant", "-q", help="Quant to plan for and download: Q4_K_M, 4bit, int4, 4.0bpw, "
         "…")] = None
     hardware: Annotated[str | None, typer.Option(
-        "--hardware", help="Plan for another machine: a JSON profile as printed by "
-        "'localrun doctor --json'.")] = None
+        "--hardware", help="Plan for another machine: a JSON file as printed by 'localrun doctor --json', or the name of an example machine: " + ", ".join(profile_names()) + ".")] = None
 
     def profile(self) -> Any:
         """The described machine (a HardwareProfile), or None for this one."""
@@ -232,7 +233,7 @@ class DownloadFlags(OptionGroup):
             return None
         from localrun.hardware import HardwareProfile
 
-        return HardwareProfile.load(self.hardware)
+        return HardwareProfile.find(self.hardware)
 
 
 #: Every group, for the tests that hold commands to them.

@@ -41,7 +41,13 @@ def plan(
 
       localrun plan ./model.gguf --backend mlx
 
-      localrun doctor --json > mac.json; localrun plan qwen2.5:7b --hardware mac.json
+      localrun plan qwen2.5:7b --hardware mac-m2-16gb
+
+      localrun doctor --json > my-pc.json; localrun plan qwen2.5:7b --hardware my-pc.json
+
+    Without the Hub (offline, or unreachable) the memory is estimated from what is
+    known here (an earlier download of the name, the parameter count in the catalog or
+    the name), and the plan says so; HF_ENDPOINT=URL reaches a mirror or proxy.
     """
     from localrun.backends import BACKENDS, canonical_backend, installed_backends
     from localrun.planning import plan as make_plan
@@ -97,14 +103,25 @@ def _show(console: Console, p: Plan, *, assumed: bool) -> None:
     if p.files:
         console.print("[bold]Files[/]: " + _e(", ".join(p.files)))
     if p.memory:
-        gib = {k: f"{v / 2**30:.2f} GiB" for k, v in p.memory.items()
-               if k in ("weights_bytes", "kv_cache_bytes", "overhead_bytes")
-               and isinstance(v, int)}
-        parts = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {v}"
-                          for k, v in gib.items())
-        color = "green" if p.memory.get("fits") else "red"
-        console.print(f"[bold]Memory[/]: {_e(parts)}")
-        console.print(f"[bold]Fit[/]: [{color}]{_e(p.memory.get('verdict', ''))}[/]")
+        _show_memory(console, p.memory)
+
+
+def _show_memory(console: Console, mem: dict[str, object]) -> None:
+    """Memory, Fit, where an estimate came from, and a warning when it does not fit."""
+    gib = {k: f"{v / 2**30:.2f} GiB" for k, v in mem.items()
+           if k in ("weights_bytes", "kv_cache_bytes", "overhead_bytes") and isinstance(v, int)}
+    if mem.get("kv_known") is False:
+        gib["kv_cache_bytes"] = "not counted"
+    parts = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {v}"
+                      for k, v in gib.items())
+    color = "green" if mem.get("fits") else "red"
+    console.print(f"[bold]Memory[/]: {_e(parts)}")
+    if mem.get("estimated_from"):
+        console.print(f"[bold]Estimated from[/]: {_e(mem['estimated_from'])}")
+    console.print(f"[bold]Fit[/]: [{color}]{_e(mem.get('verdict', ''))}[/]")
+    if mem.get("fits") is False:
+        console.print("[yellow]warning[/]: the model does not fit this device's memory; "
+                      "plan a smaller --quant or --context, or a smaller model")
 
 
 def register(app: typer.Typer) -> None:

@@ -15,10 +15,12 @@ def pull(
                                          "(org/name[:QUANT][@revision]) or ollama:NAME.")],
     backend: Annotated[str | None, typer.Option("--backend", "-b", help="Engine the "
                        "download is for (default: the one auto mode picks for this "
-                       "machine, see 'localrun plan').")] = None,
+                       "machine, see 'localrun plan').",
+                       rich_help_panel=o.LoadingFlags.panel)] = None,
     context: o.Context = None,
     memory: Annotated[float | None, typer.Option("--memory-gb", help="Memory budget in "
-                      "GiB (default: the chosen device's free memory).")] = None,
+                      "GiB (default: the chosen device's free memory).",
+                      rich_help_panel=o.DownloadFlags.panel)] = None,
     *,
     download: o.DownloadFlags,
 ) -> None:

@@ -1,5 +1,6 @@
 """A machine's hardware as data: :class:`HardwareProfile` and its parts, to and from
-JSON (``localrun doctor --json``, ``localrun plan --hardware PROFILE.json``)."""
+JSON (``localrun doctor --json``, ``localrun plan --hardware PROFILE.json``), and the
+example machines shipped in ``profiles/`` (``localrun plan --hardware mac-m2-16gb``)."""
 
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ class HardwareProfile:
 
     @classmethod
     def load(cls, path: str | PathLike[str]) -> HardwareProfile:
-        from localrun.errors import LocalrunError, ModelFileError
+        from localrun.errors import LocalrunError
 
         p = Path(path).expanduser()
         try:
@@ -172,10 +173,45 @@ class HardwareProfile:
                 "--json` prints", hint="write one with: localrun doctor --json > profile.json, "
                 "then pass --hardware profile.json") from None
         except OSError as e:
-            raise ModelFileError(str(p), e.strerror or str(e),
-                                 hint="write one with: localrun doctor --json > profile.json"
-                                 ) from e
+            raise LocalrunError(
+                f"Cannot read the hardware profile {p}: {e.strerror or e}",
+                hint="pass a profile name (" + ", ".join(profile_names()) + ") or write one "
+                "with: localrun doctor --json > profile.json") from e
         return cls.from_json(text, source=str(p))
+
+    @classmethod
+    def find(cls, name_or_path: str) -> HardwareProfile:
+        """A profile by the name of one shipped with localrun (``mac-m2-16gb``, see
+        :func:`profile_names`) or by the path of a JSON file."""
+        from localrun.errors import LocalrunError
+
+        p = Path(name_or_path).expanduser()
+        try:
+            found = p.exists()
+        except (OSError, ValueError):  # too long, a NUL: no such file
+            found = False
+        if found:
+            return cls.load(p)
+        shipped = PROFILES / f"{name_or_path.removesuffix('.json')}.json"
+        if "/" not in name_or_path and shipped.is_file():
+            return cls.load(shipped)
+        raise LocalrunError(
+            f"No hardware profile {name_or_path!r}: no such file, nor a profile name",
+            hint="profile names: " + ", ".join(profile_names()) + "; or write one for a "
+            "machine with: localrun doctor --json > profile.json")
+
+
+#: Example machines shipped with localrun, one JSON file each (``plan --hardware NAME``).
+PROFILES = Path(__file__).parent / "profiles"
+
+
+def profile_names() -> list[str]:
+    """The names ``--hardware`` accepts besides a file path."""
+    try:
+        return sorted(f.name.removesuffix(".json") for f in PROFILES.iterdir()
+                      if f.name.endswith(".json"))
+    except OSError:
+        return []
 
 
 def _build(cls: type[Any], data: Mapping[str, Any]) -> Any:
