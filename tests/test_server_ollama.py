@@ -20,7 +20,8 @@ pytestmark = [requires_llama, pytest.mark.slow]
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-server_model, srv = server_fixtures(ServerConfig())
+# test_embed and test_num_ctx load fixture files by path
+server_model, srv = server_fixtures(ServerConfig(allow_local_paths=True))
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +173,7 @@ def test_pull_streams_progress_from_the_hub(monkeypatch: pytest.MonkeyPatch,
     from tests.hubserver import BASE, start
 
     for fake in start(monkeypatch, tmp_path):
-        with serve(ServerConfig(backend="llama.cpp")) as s:
+        with serve(ServerConfig(backend="llama.cpp", allow_pull=True)) as s:
             c = ollama.Client(host=s.url, timeout=120)
             events = list(c.pull(BASE, stream=True))
             statuses = [e.status for e in events]

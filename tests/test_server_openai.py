@@ -27,7 +27,8 @@ pytestmark = [requires_llama, pytest.mark.slow]
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-server_model, srv = server_fixtures(ServerConfig(max_queue=4))
+# the embedding tests load fixture files by path
+server_model, srv = server_fixtures(ServerConfig(max_queue=4, allow_local_paths=True))
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ def test_a_client_that_leaves_the_queue_frees_its_place(server_model: Any) -> No
         assert a.status == 200 and a.readline()  # A runs
         b = socket.create_connection(("127.0.0.1", urlsplit(s.url).port), timeout=WAIT)
         body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
-        b.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                   b"application/json\r\nContent-Length: " + str(len(body)).encode() +
                   b"\r\n\r\n" + body)
         _wait_for(lambda: metric(s.url, "localrun_queue_depth", model=MODEL) == 1,
@@ -280,7 +280,8 @@ def test_keep_alive_and_lru_unloading() -> None:
     from tests.models import test_model
 
     small, large = str(test_model("gguf-q4_1")), str(test_model("gguf-q8_0"))
-    base = ServerConfig(context=512, keep_alive=1.0, parallel=1)  # one KV cache a model
+    # one KV cache a model; the models are loaded by path
+    base = ServerConfig(context=512, keep_alive=1.0, parallel=1, allow_local_paths=True)
     need = estimate_bytes(small, None, base) or 0
     need_large = estimate_bytes(large, None, base) or 0
     assert need and need_large

@@ -250,6 +250,7 @@ def _load_on_request(config: ServerConfig, path: str, loads: list[str] | None = 
             loads.append(name)
         return _load_chat(name, config, context)
 
+    config = replace(config, allow_local_paths=True)  # a path, by request
     with serve(config, manager=ModelManager(config, Metrics(), loader=load)) as s:
         status, _, body = request("POST", s.url + "/api/generate", {"model": path})
         assert status == 200, body

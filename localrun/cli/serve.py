@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from localrun.cli import options as o
 from localrun.server.config import (
+    DEFAULT_BODY_TIMEOUT,
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_PORT,
     DEFAULT_REQUEST_TIMEOUT,
 )
+
+#: Where the API key is read from when no flag gives it.
+KEY_ENV = "LOCALRUN_API_KEY"
 
 
 @o.with_groups
@@ -27,8 +33,13 @@ def serve(
     port: Annotated[int, typer.Option("--port", "-p", help="Port (0: any free port).")]
     = DEFAULT_PORT,
     api_key: Annotated[str | None, typer.Option(
-        "--api-key", envvar="LOCALRUN_API_KEY", show_envvar=True,
-        help="Require 'Authorization: Bearer KEY' on every route but /health.")] = None,
+        "--api-key", help="Require 'Authorization: Bearer KEY' on every route but /health "
+        "(and allow API requests to download and to load local paths). Other users of this "
+        f"machine see it in `ps`: prefer ${KEY_ENV} or --api-key-file.",
+        show_default=False)] = None,
+    api_key_file: Annotated[Path | None, typer.Option(
+        "--api-key-file", help="Read the API key from this file (its first line), so that "
+        "it is not on the command line.", show_default=False)] = None,
     parallel: Annotated[int | None, typer.Option(
         "--parallel", help="Requests one model runs at once, together in its engine's batch; "
         "an engine that does not batch runs one at a time. Default: the engine's capacity, "
@@ -39,8 +50,21 @@ def serve(
                           "stays loaded: 5m, 1h, 30s; -1 forever, 0 unload at once. Models "
                           "named on the command line stay.")] = "5m",
     cors_origins: Annotated[list[str] | None, typer.Option(
-        "--cors-origins", help="Allow browser pages from these origins (repeatable or "
-        "comma-separated; '*' for any). Off by default.")] = None,
+        "--cors-origins", help="Allow browser pages from these origins, e.g. "
+        "http://localhost:3000 (repeatable or comma-separated; '*' for any). Off by "
+        "default: requests with another site's Origin get 403.")] = None,
+    allowed_hosts: Annotated[list[str] | None, typer.Option(
+        "--allowed-hosts", help="Also answer requests for these host names (the Host "
+        "header), e.g. a reverse proxy's (repeatable or comma-separated; '*' for any). By "
+        "default: localhost and the listening address (and this machine's name when not "
+        "on loopback); others get 403, which stops DNS rebinding.")] = None,
+    allow_pull: Annotated[bool, typer.Option(
+        "--allow-pull", help="Let API requests download models (/api/pull, a name not in "
+        "the cache). Off by default unless an API key is set.")] = False,
+    allow_local_paths: Annotated[bool, typer.Option(
+        "--allow-local-paths", help="Let API requests load files and folders by path "
+        "(/x/m.gguf, ./m, ~/m). Off by default unless an API key is set; models named "
+        "here always load.")] = False,
     request_timeout: Annotated[float, typer.Option(
         "--request-timeout", help="Seconds one request may take, queue included (0: no "
         "limit); then it is stopped and answered 504.")] = DEFAULT_REQUEST_TIMEOUT,
@@ -50,6 +74,22 @@ def serve(
     max_request_mb: Annotated[float, typer.Option(
         "--max-request-mb", help="Largest request body, in MiB; larger ones get 413.")]
     = DEFAULT_MAX_REQUEST_BYTES / 2**20,
+    header_timeout: Annotated[float, typer.Option(
+        "--header-timeout", help="Seconds a client has to send a request's headers, from "
+        "connecting (or from the first byte of its next request); then it is closed.")]
+    = DEFAULT_HEADER_TIMEOUT,
+    body_timeout: Annotated[float, typer.Option(
+        "--body-timeout", help="Seconds a request body has to arrive, plus 1 s per KiB "
+        "received; a slower one gets 408 and is closed.")] = DEFAULT_BODY_TIMEOUT,
+    max_connections: Annotated[int | None, typer.Option(
+        "--max-connections", help="Connections open at once. At the cap, the oldest idle "
+        "one of the client holding the most is closed, else the new one gets 503. Default: "
+        "sized from the open-file limit (ulimit -n), at most 1024.", show_default=False)]
+    = None,
+    max_connections_per_client: Annotated[int | None, typer.Option(
+        "--max-connections-per-client", help="Connections one client address may hold "
+        "(its oldest idle one is closed for a new one, else 429). Default: half of "
+        "--max-connections.", show_default=False)] = None,
     max_memory: Annotated[float | None, typer.Option(
         "--max-memory", help="GiB all loaded models may take together (default: the "
         "machine's available memory). Past it, idle models unload, least recently used "
@@ -66,6 +106,11 @@ def serve(
     its engine batches, one at a time otherwise; more queue (up to
     --max-queue); a client that disconnects stops its generation; SIGTERM
     drains in-flight requests, then exits.
+
+    By default only this machine can connect, web pages of other sites
+    are refused (Host, Origin and JSON-only checks), and API requests load
+    only models already on disk: --allow-pull and --allow-local-paths open
+    more, as does an API key (LOCALRUN_API_KEY or --api-key-file).
 
     Examples:
 
@@ -89,14 +134,17 @@ def serve(
         raise LocalrunError(f"localrun serve needs its web stack ({e.name or e} is missing)",
                             hint=pip_install("serve")) from None
 
-    origins = tuple(x.strip() for item in cors_origins or () for x in item.split(",")
-                    if x.strip())
+    key = _api_key(api_key, api_key_file)
     config = ServerConfig(
-        models=tuple(models or ()), host=host, port=port, api_key=api_key or None,
+        models=tuple(models or ()), host=host, port=port, api_key=key,
         parallel=parallel, max_queue=max_queue,
-        keep_alive=parse_duration(keep_alive, what="--keep-alive"), cors_origins=origins,
+        keep_alive=parse_duration(keep_alive, what="--keep-alive"),
+        cors_origins=_listed(cors_origins), allowed_hosts=_listed(allowed_hosts),
+        allow_pull=allow_pull, allow_local_paths=allow_local_paths,
         request_timeout=request_timeout if request_timeout > 0 else None,
         drain_timeout=max(0.0, drain_timeout), max_request_bytes=int(max_request_mb * 2**20),
+        header_timeout=header_timeout, body_timeout=body_timeout,
+        max_connections=max_connections, max_connections_per_client=max_connections_per_client,
         max_memory=int(max_memory * 2**30) if max_memory is not None else None,
         insecure=insecure, backend=loading.backend, context=loading.context,
         allow_unoptimized=loading.allow_unoptimized)
@@ -106,19 +154,87 @@ def serve(
     _setup_logging()
     manager = ModelManager(config, Metrics())
     loaded = manager.preload(config.models, load=loading.load)
-    sys.stderr.write(banner(config, loaded))
-    sys.stderr.flush()
     app = create_app(config, manager=manager)
     tune_process()
-    make_server(app, config).run(sockets=[sock])
+    server = make_server(app, config)  # its caps sized from the limits tune_process set
+    sys.stderr.write(banner(config, loaded))
+    sys.stderr.flush()
+    server.run(sockets=[sock])
     sys.stderr.write("localrun serve stopped\n")
+
+
+def _listed(values: list[str] | None) -> tuple[str, ...]:
+    """A repeatable, comma-separated option's values."""
+    return tuple(x.strip() for item in values or () for x in item.split(",") if x.strip())
+
+
+def _api_key(given: str | None, path: Path | None) -> str | None:
+    """The key from --api-key (with a warning: it shows in `ps`), --api-key-file, or
+    the environment, in that order; one of the two flags at most."""
+    import os
+
+    from localrun.errors import LocalrunError
+
+    if given is not None and path is not None:
+        raise LocalrunError("Both --api-key and --api-key-file were given",
+                            hint="pass the key one way: --api-key-file PATH (or "
+                            f"{KEY_ENV}) keeps it out of `ps`")
+    if given is not None:
+        sys.stderr.write(f"warning: --api-key on the command line is visible to other users "
+                         f"of this machine (ps, /proc); set {KEY_ENV} or use --api-key-file "
+                         "instead\n")
+        return given or None
+    if path is not None:
+        return _read_key_file(path)
+    return os.environ.get(KEY_ENV) or None
+
+
+def _read_key_file(path: Path) -> str:
+    import os
+    import stat
+
+    from localrun.errors import LocalrunError
+
+    try:
+        text = path.expanduser().read_text(encoding="utf-8")
+        mode = path.expanduser().stat().st_mode
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise LocalrunError(f"Cannot read the API key file {path}: {why}",
+                            hint="pass a readable text file whose first line is the key: "
+                            "--api-key-file PATH") from None
+    lines = text.splitlines()
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise LocalrunError(f"The API key file {path} is empty",
+                            hint="write the key on its first line")
+    if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
+        sys.stderr.write(f"warning: the API key file {path} can be read by other users "
+                         f"(chmod 600 {path})\n")
+    return key
+
+
+def log_formatter() -> Any:
+    """The server log's format, with each message escaped (:func:`printable`): what
+    clients sent (model names, paths) can neither forge nor hide a line; a traceback
+    still prints as one."""
+    import logging
+
+    from localrun.server.app import printable
+
+    class Printable(logging.Formatter):
+        def formatMessage(self, record: logging.LogRecord) -> str:
+            record.message = printable(record.message, quotes=False)
+            return super().formatMessage(record)
+
+    return Printable("%(asctime)s %(message)s", "%H:%M:%S")
 
 
 def _setup_logging() -> None:
     import logging
 
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    handler.setFormatter(log_formatter())
     logger = logging.getLogger("localrun.server")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -132,6 +248,7 @@ def banner(config: Any, loaded: list[Any]) -> str:
     from localrun import __version__
     from localrun.server.config import format_duration
     from localrun.server.manager import DEFAULT_PARALLEL_CPU
+    from localrun.server.policy import HostRule
 
     url = config.url
     lines = [f"localrun serve {__version__} · {url}"]
@@ -157,6 +274,16 @@ def banner(config: Any, loaded: list[Any]) -> str:
     timeout = "none" if config.request_timeout is None else \
         format_duration(config.request_timeout)
     lines.append(f"  auth: {auth} · CORS: {cors} · request timeout: {timeout}")
+    lines.append(f"  hosts answered: {HostRule.for_config(config).describe()} "
+                 "(--allowed-hosts adds names)")
+
+    def allowed(flag: str, on: bool) -> str:
+        return (f"on ({flag})" if on and not config.api_key else "on (API key set)" if on
+                else f"off ({flag} turns it on)")
+
+    lines.append("  API requests may download models: "
+                 f"{allowed('--allow-pull', config.pull_allowed)} · load local paths: "
+                 f"{allowed('--allow-local-paths', config.local_paths_allowed)}")
     name = loaded[0].name if loaded else "smollm2:135m"
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}]})
     key = ' -H "Authorization: Bearer $LOCALRUN_API_KEY"' if config.api_key else ""

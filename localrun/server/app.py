@@ -23,12 +23,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from localrun import __version__
 from localrun.errors import LocalrunError
-from localrun.server import ollama_api, openai_api
+from localrun.server import limits, ollama_api, openai_api, policy
 from localrun.server.config import ServerConfig
 from localrun.server.errors import APIError
+from localrun.server.jobs import stop_all
 from localrun.server.manager import ModelManager
 from localrun.server.metrics import Metrics
 from localrun.server.state import ServerState, to_api_error
@@ -96,12 +98,14 @@ def create_app(config: ServerConfig, *, manager: ModelManager | None = None) -> 
         e = APIError(400, f"Invalid request: {exc.errors()[:1]}")
         return JSONResponse(e.body_for(request.url.path), status_code=400)
 
-    # Outermost last: the access log sees every answer, CORS answers preflights before
+    # Outermost last: the access log sees every answer, CORS answers preflights (and
+    # adds its headers to refusals), requests a web page could forge are refused before
     # auth, auth runs before a body is read, the guard turns any escape into JSON.
     app.add_middleware(GuardMiddleware)
     app.add_middleware(SizeLimitMiddleware, limit=config.max_request_bytes)
     if config.api_key:
         app.add_middleware(AuthMiddleware, key=config.api_key)
+    app.add_middleware(BrowserGuardMiddleware, config=config)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
                            allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
@@ -163,6 +167,42 @@ class AuthMiddleware(_HTTPMiddleware):
         await self.app(scope, receive, send)
 
 
+class BrowserGuardMiddleware(_HTTPMiddleware):
+    """What a web page could make a browser send, refused before any work: a ``Host``
+    the server does not answer to (DNS rebinding: 403), an ``Origin`` of another site
+    not in --cors-origins (403), a POST body that is not JSON (a form or ``text/plain``
+    post needs no preflight: 415). /health answers whatever the Host (probes)."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
+        super().__init__(app)
+        self.hosts = policy.HostRule.for_config(config)
+        self.cors = config.cors_origins
+
+    async def http(self, scope: Scope, receive: Any, send: Any) -> None:
+        host = origin = ctype = None
+        for name, value in scope.get("headers", []):
+            if name == b"host" and host is None:
+                host = value.decode("latin-1")
+            elif name == b"origin" and origin is None:
+                origin = value.decode("latin-1")
+            elif name == b"content-type" and ctype is None:
+                ctype = value.decode("latin-1")
+        path = scope.get("path", "")
+        error = None
+        if path in PUBLIC_PATHS:
+            pass
+        elif not self.hosts.allows(host):
+            error = policy.host_refused(host or "", self.hosts)
+        elif origin is not None and not policy.origin_allowed(origin, host, self.cors):
+            error = policy.origin_refused(origin)
+        elif policy.needs_json(scope.get("method", ""), path) and not policy.is_json(ctype):
+            error = policy.not_json(ctype)
+        if error is not None:
+            await _send_error(send, scope, error)
+            return
+        await self.app(scope, receive, send)
+
+
 class SizeLimitMiddleware(_HTTPMiddleware):
     """413 for a body over the limit: by Content-Length at once, else as it arrives."""
 
@@ -210,6 +250,8 @@ class GuardMiddleware(_HTTPMiddleware):
             await self.app(scope, receive, tracked)
         except asyncio.CancelledError:
             raise
+        except ClientDisconnect:  # gone while sending its body (or cut for its slowness)
+            return
         except Exception as exc:
             if started:
                 log.error("error after the response began: %s: %s", type(exc).__name__, exc,
@@ -260,10 +302,10 @@ class AccessLogMiddleware(_HTTPMiddleware):
                                      status=str(status)).inc()
         self.metrics.duration.labels(endpoint=endpoint if known else "other").observe(seconds)
         client = scope.get("client") or ("-", 0)
-        parts = [f'{client[0]}:{client[1]} "{scope.get("method")} {path}" {status} '
-                 f"{seconds:.3f}s"]
+        parts = [f'{client[0]}:{client[1]} "{printable(str(scope.get("method")))} '
+                 f'{printable(path)}" {status} {seconds:.3f}s']
         if model or note.get("asked"):
-            parts.append(f"model={model or note.get('asked')}")
+            parts.append(f"model={printable(str(model or note.get('asked')))}")
         if "prompt_tokens" in note:
             parts.append(f"tokens={note['prompt_tokens']}+{note.get('completion_tokens', 0)}")
         if note.get("queued"):
@@ -271,6 +313,26 @@ class AccessLogMiddleware(_HTTPMiddleware):
         if stream:
             parts.append("stream")
         access_log.info(" ".join(parts))
+
+
+def printable(text: str, *, quotes: bool = True) -> str:
+    """``text`` as one log line shows it unambiguously: control characters (CR, LF,
+    NUL, C0/C1, DEL) and other non-printable ones (bidi overrides, line separators)
+    escaped as Python writes them (``\\n``, ``\\x00``, ``\\u202e``), and with ``quotes``
+    the quote and the backslash too, so that a client can neither forge nor hide a line
+    nor close a quoted field."""
+    special = '"\\' if quotes else ""
+    if text.isprintable() and not any(c in text for c in special):
+        return text
+    out = []
+    for ch in text:
+        if ch in special:
+            out.append("\\" + ch)
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+    return "".join(out)
 
 
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
@@ -284,7 +346,7 @@ _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/mode
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before anything prints (a busy port is one line)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = limits.Listener(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host.strip("[]"), port))
@@ -304,8 +366,36 @@ def bind(host: str, port: int) -> socket.socket:
 
 class Server(uvicorn.Server):
     """uvicorn's server, draining on SIGTERM/SIGINT: it stops accepting, finishes what
-    is in flight for up to ``--drain-timeout`` seconds (then cancels the rest), unloads
-    the models and returns — exit status 0, not the re-raised signal."""
+    is in flight for up to ``--drain-timeout`` seconds, then ends what still runs with an
+    error in its API's format (a stream: its last event), unloads the models and
+    returns — exit status 0, not the re-raised signal. Its connections go through
+    ``gate`` (:mod:`localrun.server.limits`)."""
+
+    def __init__(self, config: uvicorn.Config, gate: limits.Gate, drain_timeout: float
+                 ) -> None:
+        super().__init__(config)
+        self.gate = gate
+        self.drain_timeout = drain_timeout
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(limits.exception_handler(self.gate))
+        await super().startup(sockets=sockets)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        expire = asyncio.get_running_loop().call_later(self.drain_timeout, self._drain_over)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            expire.cancel()
+            self.gate.logs.flush_all()  # what the throttled lines still held back
+
+    def _drain_over(self) -> None:
+        n = stop_all(APIError(
+            503, f"The server is stopping and its --drain-timeout ({self.drain_timeout:g} s) "
+            "is over: this request was stopped", code="server_stopping"))
+        if n:
+            log.warning(f"--drain-timeout {self.drain_timeout:g} s over: ended {n} "
+                        f"request{'s' * (n > 1)} still running, with an error")
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -325,12 +415,23 @@ def tune_process() -> None:
     """Process settings for serving: hand the GIL over every 1 ms instead of 5 ms. An
     engine whose token loop holds the GIL (ONNX Runtime GenAI's, MLX's) otherwise makes
     the event loop wait up to 5 ms at each hand-over before a token reaches the client
-    (measured here: ONNX TTFT +20 ms served vs in process)."""
+    (measured here: ONNX TTFT +20 ms served vs in process). And the open-file limit up to
+    4096 where allowed (macOS starts at 256): the connection caps are sized from it."""
     sys.setswitchinterval(0.001)
+    limits.raise_fd_limit()
+
+
+#: seconds uvicorn waits past --drain-timeout for the error events to go out, before
+#: it cancels what is left
+DRAIN_GRACE = 2
 
 
 def make_server(app: FastAPI, config: ServerConfig) -> Server:
+    """The server for ``app``: connections capped and request reading timed (a
+    LocalrunError if --max-connections is more than the open-file limit allows)."""
+    gate = limits.Gate(limits.resolve(config))
     uv = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                        timeout_graceful_shutdown=math.ceil(config.drain_timeout),
+                        http=limits.protocol_class(gate), ws="none",
+                        timeout_graceful_shutdown=math.ceil(config.drain_timeout) + DRAIN_GRACE,
                         server_header=False, timeout_keep_alive=5)
-    return Server(uv)
+    return Server(uv, gate, config.drain_timeout)

@@ -53,27 +53,36 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
-def loaded_entry(m: Loaded) -> dict[str, Any]:
+def shows_paths(st: ServerState) -> bool:
+    """Whether answers name files on this machine: only to requests that hold the API
+    key (every request, where one is set); a client without one learns names only."""
+    return bool(st.config.api_key)
+
+
+def loaded_entry(m: Loaded, paths: bool = False) -> dict[str, Any]:
     i = m.info
-    return {"id": m.name, "object": "model", "created": int(m.loaded_at),
-            "owned_by": "localrun", "loaded": True, "kind": m.kind, "backend": i.backend,
-            "format": i.format, "quantization": i.quantization, "device": i.device,
-            "context_length": i.context_length, "path": i.path,
-            "expires_at": m.expires_wall(), "parallel": m.slots}
+    entry = {"id": m.name, "object": "model", "created": int(m.loaded_at),
+             "owned_by": "localrun", "loaded": True, "kind": m.kind, "backend": i.backend,
+             "format": i.format, "quantization": i.quantization, "device": i.device,
+             "context_length": i.context_length, "expires_at": m.expires_wall(),
+             "parallel": m.slots}
+    return {**entry, "path": i.path} if paths else entry
 
 
 async def model_list(st: ServerState) -> list[dict[str, Any]]:
     """/v1/models: loaded first (as requested), then everything on disk by its names."""
-    out = [loaded_entry(m) for m in st.manager.models.values()]
+    paths = shows_paths(st)
+    out = [loaded_entry(m, paths) for m in st.manager.models.values()]
     seen = {e["id"] for e in out}
     for m in await asyncio.to_thread(disk_models):
         for name in names_of(m):
             if name in seen:
                 continue
             seen.add(name)
-            out.append({"id": name, "object": "model", "created": int(_mtime(m.path)),
-                        "owned_by": "localrun", "loaded": False, "format": m.format,
-                        "quantization": m.quant, "path": m.path})
+            entry = {"id": name, "object": "model", "created": int(_mtime(m.path)),
+                     "owned_by": "localrun", "loaded": False, "format": m.format,
+                     "quantization": m.quant}
+            out.append({**entry, "path": m.path} if paths else entry)
     return out
 
 

@@ -19,6 +19,10 @@ DEFAULT_MAX_QUEUE = 64
 DEFAULT_REQUEST_TIMEOUT = 600.0
 DEFAULT_DRAIN_TIMEOUT = 30.0
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+#: Seconds a client has to send a request's headers (Apache's mod_reqtimeout: 20-40).
+DEFAULT_HEADER_TIMEOUT = 20.0
+#: Seconds a request body has to arrive, plus 1 s per KiB (limits.MIN_BODY_RATE).
+DEFAULT_BODY_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -38,12 +42,27 @@ class ServerConfig:
     request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT  # None: no limit
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    #: request headers due this long after connecting (or after a request's first byte)
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    #: a request body's time, plus 1 s per KiB it has sent (see localrun.server.limits)
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    #: connections open at once, in all and per client address (None: sized from the
+    #: process's open-file limit, see localrun.server.limits.resolve)
+    max_connections: int | None = None
+    max_connections_per_client: int | None = None
     #: bytes all loaded models may take together (None: the machine's available memory)
     max_memory: int | None = None
     insecure: bool = False
     backend: str = "auto"
     context: int | None = None
     allow_unoptimized: bool = False
+    #: Host names answered beside the bound address's own (a reverse proxy's); "*": any
+    allowed_hosts: tuple[str, ...] = ()
+    #: API requests may download models (/api/pull, a name not in the cache); an API
+    #: key allows it too
+    allow_pull: bool = False
+    #: API requests may load files and folders by path; an API key allows it too
+    allow_local_paths: bool = False
 
     def check(self) -> None:
         """Refuse settings that make no sense, or that would expose the server unasked."""
@@ -59,15 +78,42 @@ class ServerConfig:
         if self.max_request_bytes < 1024:
             raise LocalrunError(f"Invalid request size limit {self.max_request_bytes} bytes",
                                 hint="pass --max-request-mb 1 or more")
+        for flag, seconds in (("--header-timeout", self.header_timeout),
+                              ("--body-timeout", self.body_timeout)):
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise LocalrunError(f"Invalid {flag} {seconds:g}",
+                                    hint=f"pass {flag} in seconds, more than 0 (e.g. 20)")
+        for flag, count in (("--max-connections", self.max_connections),
+                            ("--max-connections-per-client", self.max_connections_per_client)):
+            if count is not None and count < 1:
+                raise LocalrunError(f"Invalid {flag} {count}",
+                                    hint=f"pass {flag} 1 or more, or leave it out (then it "
+                                    "is sized from the open-file limit)")
         if self.api_key is not None and not self.api_key.strip():
             raise LocalrunError("The API key is empty",
                                 hint="pass --api-key with a non-empty value, or leave it out")
+        for entry in self.allowed_hosts:
+            if not _HOST_ENTRY.match(entry.strip()):
+                raise LocalrunError(f"Invalid --allowed-hosts entry {entry!r}",
+                                    hint="give host names as clients send them in the Host "
+                                    "header, without scheme or path: --allowed-hosts "
+                                    "llm.example.com (or '*' for any)")
         if not is_loopback(self.host) and not self.api_key and not self.insecure:
             raise LocalrunError(
                 f"Refusing to serve on {self.host} without an API key: anyone who can reach "
                 "this machine could use it",
                 hint=f"localrun serve --host {self.host} --api-key KEY (or set "
                 "LOCALRUN_API_KEY); --insecure to serve without one anyway")
+
+    @property
+    def pull_allowed(self) -> bool:
+        """Whether API requests may download models (see :mod:`localrun.server.policy`)."""
+        return self.allow_pull or bool(self.api_key)
+
+    @property
+    def local_paths_allowed(self) -> bool:
+        """Whether API requests may name files and folders on this machine."""
+        return self.allow_local_paths or bool(self.api_key)
 
     @property
     def url(self) -> str:
@@ -77,6 +123,10 @@ class ServerConfig:
         if ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
+
+
+#: An --allowed-hosts entry: a host name or address (a port is ignored), or "*".
+_HOST_ENTRY = re.compile(r"^(\*|\[[0-9A-Za-z:.%]+\](:\d+)?|[\w.%-]+(:\d+)?|[0-9A-Fa-f:.%]+)$")
 
 
 def is_loopback(host: str) -> bool:

@@ -22,7 +22,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from localrun import __version__
-from localrun.server.catalog import details, disk_models, ollama_ps, ollama_tags, rfc3339
+from localrun.server.catalog import (
+    details,
+    disk_models,
+    ollama_ps,
+    ollama_tags,
+    rfc3339,
+    shows_paths,
+)
 from localrun.server.config import parse_duration
 from localrun.server.errors import APIError, bad_request, unsupported
 from localrun.server.jobs import Call, Job, Wire
@@ -35,6 +42,7 @@ from localrun.server.params import (
     read_model_request,
     sampling_kwargs,
 )
+from localrun.server.policy import check_pull
 from localrun.server.state import state_of, to_api_error
 from localrun.structured.calls import new_call_id
 from localrun.types import CancelToken, Chunk, Completion
@@ -295,7 +303,7 @@ async def generate(request: Request) -> Any:
             await st.manager.unload(model)
             return JSONResponse({"model": model, "created_at": rfc3339(), "response": "",
                                  "done": True, "done_reason": "unload"})
-        lease = await st.manager.acquire(model, context=num_ctx, keep_alive=keep_alive)
+        lease = await st.acquire(model, context=num_ctx, keep_alive=keep_alive)
         lease.release()
         return JSONResponse({"model": model, "created_at": rfc3339(), "response": "",
                              "done": True, "done_reason": "load"})
@@ -376,18 +384,26 @@ async def show(request: Request) -> Any:
     f, model = await read_model_request(request)
     f.raw("verbose")
     f.refuse_unread()
+    paths = shows_paths(st)
     for m in st.manager.models.values():
         if m.name == model:
             i = m.info
             return JSONResponse(_show(i.format, i.architecture, i.quantization,
-                                      i.context_length, m.kind == "embed", i.path))
+                                      i.context_length, m.kind == "embed",
+                                      i.path if paths else None))
+    not_found = APIError(404, f"model '{model}' not found (neither loaded nor on disk; "
+                         f"POST /api/pull to download it)", param="model",
+                         code="model_not_found")
+    try:
+        await st.admit(model, loads=False)  # a local path: only where they are allowed
+    except APIError as e:
+        # a relative path shaped like a name: answered as one that is not there
+        raise not_found if e.code == "pull_not_allowed" else e from None
     found = await asyncio.to_thread(_detect, model)
     if found is None:
-        raise APIError(404, f"model '{model}' not found (neither loaded nor on disk; "
-                       f"POST /api/pull to download it)", param="model",
-                       code="model_not_found")
+        raise not_found
     fmt, arch, quant, ctx, embeds, path = found
-    return JSONResponse(_show(fmt, arch, quant, ctx, embeds, path))
+    return JSONResponse(_show(fmt, arch, quant, ctx, embeds, path if paths else None))
 
 
 def _detect(model: str) -> tuple[str, str | None, str | None, int | None, bool, str] | None:
@@ -415,14 +431,14 @@ def _detect(model: str) -> tuple[str, str | None, str | None, int | None, bool, 
 
 
 def _show(fmt: str, arch: str | None, quant: str | None, ctx: int | None, embeds: bool,
-          path: str) -> dict[str, Any]:
+          path: str | None) -> dict[str, Any]:
     info: dict[str, Any] = {"general.architecture": arch or ""}
     if arch and ctx:
         info[f"{arch}.context_length"] = ctx
     caps = ["embedding"] if embeds else ["completion", "tools"]
     return {"modelfile": "", "parameters": "", "template": "", "license": "",
             "details": details(fmt, arch, quant), "model_info": info, "capabilities": caps,
-            "modified_at": rfc3339(), "localrun": {"path": path}}
+            "modified_at": rfc3339(), "localrun": {"path": path} if path else {}}
 
 
 # -- /api/pull --------------------------------------------------------------------------
@@ -438,6 +454,7 @@ async def pull(request: Request) -> Any:
     f.refuse_if("insecure", False, "downloads always use TLS")
     f.raw("name")
     f.refuse_unread()
+    await asyncio.to_thread(check_pull, st.config, model)  # 403 unless downloads are allowed
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 

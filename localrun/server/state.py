@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from localrun.errors import LocalrunError
 from localrun.server.config import ServerConfig
 from localrun.server.errors import APIError, from_localrun
-from localrun.server.manager import ModelManager
+from localrun.server.manager import Lease, ModelManager
 from localrun.server.metrics import Metrics
 
 log = logging.getLogger("localrun.server")
@@ -20,6 +21,24 @@ class ServerState:
     config: ServerConfig
     manager: ModelManager
     metrics: Metrics
+
+    async def acquire(self, name: str, **kwargs: Any) -> Lease:
+        """:meth:`ModelManager.acquire`, for a name this server lets API requests load
+        (:func:`localrun.server.policy.check_model`: 403 for a local path or a
+        download it does not allow). Every route that loads a model comes through here."""
+        await self.admit(name)
+        return await self.manager.acquire(name, **kwargs)
+
+    async def admit(self, name: str, *, loads: bool = True) -> None:
+        """403 unless API requests may use ``name``: a model loaded already, named on
+        the command line, or one the policy allows (see :meth:`acquire`)."""
+        c = self.config
+        if (c.pull_allowed and c.local_paths_allowed) or not isinstance(name, str) \
+                or not name or any(m.name == name for m in self.manager.models.values()):
+            return
+        from localrun.server.policy import check_model
+
+        await asyncio.to_thread(check_model, c, name, loads=loads)
 
 
 def state_of(request: Any) -> ServerState:
