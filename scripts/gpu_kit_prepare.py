@@ -16,6 +16,9 @@ the working tree (64 MiB in all, carried folders included). This puts into ``.gp
   llama.cpp's common library (never shipped by the package) switched off;
 - ``tokenizer/``: SmolLM2's tokenizer, from the fixture that
   ``scripts/make_test_models.py --only hf`` builds (the tiny test model uses it);
+- ``prebuilt/`` (only with ``--prebuilt DIR``): llama.cpp's CUDA libraries built here by
+  ``scripts/gpu_kit/prebuild_llama.py --all``, which run.py then unpacks instead of
+  building them on the device;
 - ``bundle.json``: what is inside, sizes and sha256, and the size of everything that
   travels, checked against the limit.
 
@@ -236,8 +239,27 @@ def run_command(bundle_rel: str, budget_s: int = spec.DEFAULT_BUDGET_S) -> str:
             f'--out "$OUT" --budget {budget_s}')
 
 
+def copy_prebuilt(src: Path, dest: Path) -> dict[str, Any]:
+    """llama.cpp's libraries from scripts/gpu_kit/prebuild_llama.py --all (the archive and
+    its .json), for run.py --llama prebuilt (its default when the bundle has them)."""
+    found = sorted(src.glob(spec.PREBUILT_GLOB))
+    if not found:
+        raise PrepareError(f"no {spec.PREBUILT_GLOB} in {src}: run "
+                           "scripts/gpu_kit/prebuild_llama.py --all first")
+    archive = found[-1]
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(archive, dest / archive.name)
+    meta = archive.with_suffix("").with_suffix(".json")
+    info: dict[str, Any] = {"file": archive.name, "bytes": archive.stat().st_size,
+                            "sha256": sha256_of(archive)}
+    if meta.is_file():
+        shutil.copy2(meta, dest / meta.name)
+        info["built"] = json.loads(meta.read_text(encoding="utf-8"))
+    return info
+
+
 def prepare(out: Path, cache: Path, tokenizer: Path | None, offline: bool,
-            repo: Path = REPO) -> dict[str, Any]:
+            repo: Path = REPO, prebuilt: Path | None = None) -> dict[str, Any]:
     t0 = time.monotonic()
     wheels = fetch_wheels(cache, offline)
     archive, trim = trimmed_source(cache, offline)
@@ -262,6 +284,8 @@ def prepare(out: Path, cache: Path, tokenizer: Path | None, offline: bool,
                           **trim},
             "tokenizer": {"files": tok_files, "source": str(tok_src)},
         }
+        if prebuilt is not None:
+            manifest["prebuilt"] = copy_prebuilt(prebuilt, tmp / spec.PREBUILT_DIR)
         tree = tree_bytes(repo)
         bundle = 0
         for _ in range(4):  # the sizes are part of bundle.json: write until they hold
@@ -294,11 +318,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="folder with SmolLM2's tokenizer.json (default: the hf fixture)")
     ap.add_argument("--offline", action="store_true", help="use the download cache only")
+    ap.add_argument("--prebuilt", type=Path, default=None,
+                    help="carry llama.cpp's libraries built here "
+                         "(scripts/gpu_kit/prebuild_llama.py --all; its --out folder)")
     ap.add_argument("--json", action="store_true", help="print bundle.json instead of prose")
     args = ap.parse_args(argv)
     out = args.out.resolve()
     try:
-        manifest = prepare(out, args.cache.expanduser(), args.tokenizer, args.offline)
+        manifest = prepare(out, args.cache.expanduser(), args.tokenizer, args.offline,
+                           prebuilt=args.prebuilt)
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -312,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rel = None
     print(f"bundle {out}: {s['bundle_bytes'] / MiB:.1f} MiB; with the working tree "
           f"{s['travel_bytes'] / MiB:.1f} MiB of {s['limit_bytes'] / MiB:.0f} MiB")
+    if manifest.get("prebuilt"):
+        print(f"llama.cpp: the prebuilt libraries ({manifest['prebuilt']['file']}) replace "
+              "the build on the device (run.py --llama build overrides)")
     if rel is None:
         print("(outside the repo: it cannot be carried; use the default --out)")
         return 0

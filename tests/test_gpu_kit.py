@@ -14,6 +14,8 @@ import importlib.util
 import io
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -28,8 +30,8 @@ from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from gpu_kit import facts, proofs, runner, spec
 from gpu_kit import run as kit_run
-from gpu_kit import runner, spec
 from gpu_kit.runner import Step, StepContext
 
 
@@ -252,13 +254,19 @@ def test_every_carried_wheel_is_named_once() -> None:
 
 @pytest.mark.parametrize("step", sorted(kit_run.PYTEST))
 def test_each_gpu_selection_collects_tests(step: str) -> None:
-    """pytest exits 5 when a selection matches nothing: the GPU run must never do that."""
-    for args in kit_run.PYTEST[step]:
-        proc = subprocess.run([sys.executable, "-m", "pytest", *args, "--collect-only", "-q",
-                               "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True,
+    """pytest exits 5 when a selection matches nothing: the GPU run must never do that.
+    A GPU selection collects only GPU tests (tests/test_gpu.py, or test_exllama.py's
+    test_gpu_* that need a CUDA device): the all-skipped rule counts them."""
+    for sel in kit_run.PYTEST[step]:
+        proc = subprocess.run([sys.executable, "-m", "pytest", *sel.args, "--collect-only",
+                               "-q", "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True,
                               text=True, timeout=120)
-        assert proc.returncode == 0, f"{args}: exit {proc.returncode}\n{proc.stdout[-2000:]}"
-        assert "::" in proc.stdout, args
+        assert proc.returncode == 0, f"{sel}: exit {proc.returncode}\n{proc.stdout[-2000:]}"
+        ids = [ln for ln in proc.stdout.splitlines() if "::" in ln]
+        assert ids, sel
+        if sel.gpu:
+            assert all("test_gpu.py::" in i or "::test_gpu_" in i for i in ids), ids
+            assert not any("test_gpu_split_decisions" in i for i in ids), ids
 
 
 def test_junit_is_read_into_outcomes(tmp_path: Path) -> None:
@@ -341,11 +349,25 @@ def test_cpu_rehearsal_passes(bundle: tuple[Path, dict[str, Any]], tmp_path: Pat
     assert proc.returncode == 0 and data["ok"], proc.stdout[-3000:]
     assert data["mode"] == "rehearsal" and data["finished"]
     for name in ("env", "install_wheels", "llama_src", "llama_configure", "test_nvml",
-                 "test_exllamav2", "test_exllamav3"):
+                 "test_exllamav2", "proof_nice", "proof_all_skipped", "proof_test_timeout"):
         assert steps[name]["status"] == "ok", steps[name]
     assert steps["llama_configure"]["facts"]["c_cpp_units"] > 0
-    for name in ("llama_build", "exl2_build", "exl3_build"):
+    for name in ("llama_build", "exl2_build"):
         assert steps[name]["status"] == "skipped" and "GPU machine" in steps[name]["detail"]
+    # ExLlamaV3 is out of the first run unless asked for
+    for name in kit_run.EXL3_STEPS:
+        assert steps[name]["status"] == "skipped", steps[name]
+        assert "--with-exllamav3" in steps[name]["detail"], steps[name]
+    # the proofs, on this machine: priorities between steps, the all-skipped rule
+    nice = steps["proof_nice"]["facts"]["one_session"]
+    assert nice["share_low_nice"] >= proofs.MIN_SHARE, nice
+    assert re.match(r"a test step whose GPU tests all skip fails: GPU: 0 passed, 2 skipped",
+                    steps["proof_all_skipped"]["detail"]), steps["proof_all_skipped"]
+    assert steps["proof_test_timeout"]["facts"]["cases"][0]["outcome"] == "failed"
+    # what plans the next run, written whatever happens
+    machine = data["machine"]
+    assert {"sched_autogroup_enabled", "cpu_model", "cores", "nvcc"} <= set(machine)
+    assert "builds" in data and data["options"]["with_exllamav3"] is False
     for s in data["steps"]:
         assert s["status"] in ("ok", "skipped"), s
         assert s["status"] == "ok" or s["detail"], s  # a skip always says why
@@ -481,3 +503,208 @@ def test_llama_check_reads_a_llama_cpp_build() -> None:
     assert proc.returncode == 0, proc.stderr
     assert info["version"] and isinstance(info["gpu_offload"], bool)
     assert "CPU" in info["system_info"]
+
+
+# -- priorities: one session, so nice works (issue 26) -----------------------------------
+
+def test_each_command_gets_its_own_group_in_the_kits_session(tmp_path: Path) -> None:
+    """A process group of its own (a time limit kills its children), but the kit's
+    session: under autogroup, nice weighs processes only inside one session."""
+    r = _ctx(tmp_path).run([sys.executable, "-c", "import os; print(os.getpid(), "
+                            "os.getpgrp(), os.getsid(0))"], capture=True)
+    pid, pgid, sid = map(int, r.stdout.split())
+    assert pgid == pid, "the command leads no process group of its own"
+    assert sid == os.getsid(0), "the command left the kit's session: nice does nothing"
+
+
+def test_nice_orders_two_cpu_bound_commands_in_one_session(tmp_path: Path) -> None:
+    """Two CPU-bound children at nice 0 and 15, pinned to one CPU, started as the runner
+    starts commands: the nice-0 one gets most of it (idle: ~97 %; asked: 75 %). Started
+    each in a session of its own, as the runner once did, autogroup splits the CPU
+    evenly whatever their nice: that half shows the old way failing."""
+    ctx = _ctx(tmp_path, limit=120)
+    cpu = proofs.pick_cpu()
+    same = proofs.measure(ctx, new_session=False, cpu=cpu)
+    if not same["conclusive"]:
+        pytest.skip(f"CPU {cpu} too busy to measure twice in a row: {same}")
+    assert proofs.nice_works(same), proofs.describe(same)
+    if not facts.autogroup_enabled():
+        pytest.skip("autogroup is off here: separate sessions share by nice too")
+    apart = proofs.measure(ctx, new_session=True, cpu=cpu)
+    if apart["conclusive"]:
+        assert apart["share_low_nice"] < proofs.MIN_SHARE, proofs.describe(apart)
+
+
+# -- the all-skipped rule, the bench's device rule ------------------------------------------
+
+def _case(test: str, outcome: str, gpu: bool, message: str = "") -> dict[str, Any]:
+    return {"id": f"tests/{test}", "outcome": outcome, "seconds": 0.1, "gpu": gpu,
+            **({"message": message} if message else {})}
+
+
+def test_a_step_whose_gpu_tests_all_skip_fails() -> None:
+    cpu_ok = [_case(f"test_exllama.py::test_cpu_{i}", "passed", False) for i in range(62)]
+    skipped = [_case(f"test_gpu.py::test_exllama_{i}[exllamav2]", "skipped", True,
+                     "no NVIDIA GPU on this host") for i in range(9)]
+    with pytest.raises(runner.StepFailed) as info:
+        kit_run.judge_tests(cpu_ok + skipped, gpu_rule=True)
+    assert str(info.value).startswith("GPU: 0 passed, 9 skipped: every GPU test skipped")
+    assert "no NVIDIA GPU on this host" in str(info.value)
+    # one GPU test passing is evidence; the detail still counts the skips
+    one = [_case("test_gpu.py::test_x", "passed", True), *skipped[1:]]
+    assert kit_run.judge_tests(cpu_ok + one, gpu_rule=True).startswith(
+        "GPU: 1 passed, 8 skipped; all: 63 passed, 8 skipped of 71")
+    # a step with no GPU tests at all proves nothing on the GPU either
+    with pytest.raises(runner.StepFailed, match="no GPU tests ran"):
+        kit_run.judge_tests(cpu_ok, gpu_rule=True)
+    # the rehearsal: skips are expected there
+    assert kit_run.judge_tests(cpu_ok + skipped, gpu_rule=False).startswith("GPU: 0 passed")
+    failed = [*one, _case("test_gpu.py::test_y", "failed", True, "assert 1 == 2")]
+    with pytest.raises(runner.StepFailed, match=r"^GPU: 1 passed, 8 skipped, 1 failed; 1 of"):
+        kit_run.judge_tests(failed, gpu_rule=True)
+
+
+def test_the_bench_fails_on_the_cpu_and_names_its_numbers() -> None:
+    numbers = {"decode_tps": 812.4, "prefill_tps": 9000.0, "ttft_ms": 2.5}
+    with pytest.raises(runner.StepFailed, match="reports the device 'cpu': it ran on the CPU"):
+        kit_run.judge_bench("llama.cpp", {**numbers, "device": "cpu"}, gpu=True)
+    with pytest.raises(runner.StepFailed, match="no device and no VRAM use"):
+        kit_run.judge_bench("exllamav2", {**numbers, "device": None}, gpu=True)
+    assert kit_run.judge_bench("llama.cpp", {**numbers, "device": "cuda:0", "vram_mib": 301.0},
+                               gpu=True) == ("cuda:0: decode 812 tok/s, prefill 9000 tok/s, "
+                                             "TTFT 2.5 ms, 301 MiB VRAM")
+    # the ExLlamas report no device: their VRAM shows where they ran
+    assert kit_run.judge_bench("exllamav2", {**numbers, "vram_mib": 412.0}, gpu=True) \
+        .startswith("GPU (by its VRAM): decode 812 tok/s")
+    assert "not recorded" in kit_run.judge_bench("llama.cpp", {**numbers, "device": "cpu"},
+                                                 gpu=False)
+
+
+def test_the_test_running_when_a_step_was_stopped_is_named() -> None:
+    log = ("tests/test_gpu.py::test_a PASSED                  [ 33%]\n"
+           "tests/test_gpu.py::test_b[exllamav2] SKIPPED (no GPU) [ 66%]\n"
+           "tests/test_gpu.py::test_c[exllamav2] \n")
+    assert kit_run.running_test(log) == "tests/test_gpu.py::test_c[exllamav2]"
+    assert kit_run.running_test(log + "PASSED\n") == "tests/test_gpu.py::test_c[exllamav2]"
+    assert kit_run.running_test(log.rsplit("\n", 2)[0]) is None
+
+
+# -- what plans the next run ---------------------------------------------------------------
+
+def test_a_ninja_log_becomes_core_seconds_per_kind(tmp_path: Path) -> None:
+    cuda = "ggml/src/ggml-cuda/CMakeFiles/ggml-cuda.dir"
+    log = tmp_path / ".ninja_log"
+    log.write_text(
+        "# ninja log v5\n"
+        f"0\t19000\t1\t{cuda}/template-instances/mmq-instance-q4_0.cu.o\tabc\n"
+        f"0\t60000\t1\t{cuda}/template-instances/fattn-tile-instance-dkq64.cu.o\tabc\n"
+        f"100\t7100\t1\t{cuda}/argmax.cu.o\tabc\n"
+        f"200\t2200\t1\tsrc/CMakeFiles/llama.dir/llama.cpp.o\tabc\n"
+        f"60000\t61000\t1\tbin/libggml-cuda.so\tabc\n"
+        # a resumed build appends: the last record of an output counts
+        f"61000\t61500\t1\t{cuda}/argmax.cu.o\tabc\n")
+    s = facts.ninja_summary(log)
+    assert s is not None
+    assert s["units"] == 5 and s["core_s"] == 19 + 60 + 0.5 + 2 + 1
+    assert s["by_kind"]["fattn-tile"] == {"units": 1, "core_s": 60.0, "mean_s": 60.0}
+    assert s["by_kind"]["c/c++"]["units"] == 1 and s["by_kind"]["link"]["units"] == 1
+    assert s["slowest"][0] == ["fattn-tile-instance-dkq64.cu.o", 60.0]
+    assert s["wall_s"] == 61.5 and s["parallelism"] == round(82.5 / 61.5, 1)
+    assert facts.ninja_summary(tmp_path / "missing") is None
+    assert facts.unit_kind("exllamav2_ext/q_gemm.cuda.o") == "cuda"
+    assert facts.unit_kind("exllamav2_ext/ext_bindings.o") == "c/c++"
+
+
+def test_the_prebuild_estimate_bounds_each_kind() -> None:
+    from gpu_kit import prebuild_llama
+
+    objs = [f"x/template-instances/mmq-instance-{i}.cu.o" for i in range(22)] + \
+        [f"x/template-instances/mmf-instance-ncols_{i}.cu.o" for i in range(16)] + \
+        [f"x/op{i}.cu.o" for i in range(10)] + [f"y/f{i}.cpp.o" for i in range(4)]
+    measured = [{"unit": "mmf-instance-ncols_1.cu.o", "kind": "mmf", "wall_s": 40.0,
+                 "cpu_s": 30.0, "object_bytes": 4 * 2**20, "object_xz_bytes": 2**20},
+                {"unit": "ggml-cuda.cu.o", "kind": "cuda", "wall_s": 90.0, "cpu_s": 70.0,
+                 "object_bytes": 2 * 2**20, "object_xz_bytes": 2**19}]
+    ref = prebuild_llama.REFERENCE_S
+    est = prebuild_llama.extrapolate(objs, measured)
+    assert est["units"] == {"mmq": 22, "mmf": 16, "cuda": 10, "c/c++": 4}
+    assert est["plan"]["mmf"]["s_per_unit"] == [min(30.0, *ref["mmf"]), 30.0]
+    assert est["plan"]["cuda"]["s_per_unit"] == [min(ref["cuda"]), 70.0]
+    assert est["plan"]["mmq"]["source"] == "reference"
+    assert est["plan"]["cuda"]["source"] == "measured here + reference"
+    low = 22 * min(ref["mmq"]) + 16 * min(30.0, *ref["mmf"]) + 10 * min(ref["cuda"]) + 4 * 10
+    high = 22 * max(ref["mmq"]) + 16 * 30 + 10 * 70 + 4 * 10
+    assert est["core_s"] == [round(low), round(high)]
+    assert est["size"]["cuda_objects_mib"] == 48 * 3.0 and est["size"]["xz_ratio"] == 0.25
+
+
+def test_the_kit_uses_prebuilt_llama_libraries_when_carried(tmp_path: Path) -> None:
+    kit = _kit(tmp_path, dry_run=False)
+    assert kit.llama_mode == "build"
+    kit.llama_mode = "prebuilt"
+    with pytest.raises(runner.StepFailed, match=r"prebuild_llama\.py --all"):
+        kit_run.step_llama_build(kit, _ctx(tmp_path))
+    folder = kit.bundle / spec.PREBUILT_DIR
+    folder.mkdir(parents=True)
+    archive = folder / f"llama-cuda-sm90-{spec.LLAMA_CPP_VERSION}.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        for name in ("libggml-cuda.so", "libllama.so", "libggml-base.so"):
+            info = tarfile.TarInfo(f"lib/{name}")
+            info.size = 4
+            tar.addfile(info, io.BytesIO(b"\x7fELF"))
+    (folder / f"llama-cuda-sm90-{spec.LLAMA_CPP_VERSION}.json").write_text('{"nvcc": "13.0"}')
+    assert kit_run.resolve_llama_mode("auto", kit.bundle) == "prebuilt"
+    assert kit_run.resolve_llama_mode("build", kit.bundle) == "build"
+    ctx = _ctx(tmp_path, "llama_build")
+    assert kit_run.step_llama_build(kit, ctx).startswith("unpacked 3 libraries")
+    assert (kit.prebuilt_libs / "lib" / "libggml-cuda.so").is_file()
+    assert ctx.facts["prebuilt"] == {"nvcc": "13.0"}
+
+
+def test_a_stopped_run_still_writes_its_report(bundle: tuple[Path, dict[str, Any]],
+                                               tmp_path: Path) -> None:
+    """SIGTERM mid-run (as a device command's end would send): the kit's ``finally``
+    kills the running steps' commands and writes gpu_kit.json with the machine's facts,
+    the builds' summaries and why it stopped."""
+    out_dir = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts/gpu_kit/run.py"),
+                             "--dry-run", "--quick", "--bundle", str(bundle[0]), "--work",
+                             str(tmp_path / "work"), "--out", str(out_dir)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = out_dir / spec.RESULT_JSON
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if json.loads(result.read_text())["steps"]:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.2)
+        assert proc.poll() is None, "the rehearsal ended before it could be stopped"
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    data = json.loads(result.read_text())
+    assert proc.returncode == 1, output[-2000:]
+    assert data["finished"] and data["ok"] is False
+    assert data["stopped"].startswith("the kit was stopped (signal 15)")
+    assert {"sched_autogroup_enabled", "cpu_model", "kernel"} <= set(data["machine"])
+    assert "builds" in data
+    stopped = [s for s in data["steps"] if "stopped" in s["detail"]]
+    assert stopped and all(s["status"] == "timeout" for s in stopped), data["steps"]
+
+
+def test_prepare_carries_prebuilt_libraries_with_their_record(tmp_path: Path) -> None:
+    src, dest = tmp_path / "out", tmp_path / "bundle" / spec.PREBUILT_DIR
+    with pytest.raises(prepare.PrepareError, match=r"prebuild_llama\.py --all"):
+        prepare.copy_prebuilt(src, dest)
+    src.mkdir()
+    name = f"llama-cuda-sm90-{spec.LLAMA_CPP_VERSION}"
+    (src / f"{name}.tar.xz").write_bytes(b"xz")
+    (src / f"{name}.json").write_text('{"build_s": 1800}')
+    info = prepare.copy_prebuilt(src, dest)
+    assert info["file"] == f"{name}.tar.xz" and info["built"] == {"build_s": 1800}
+    assert kit_run.prebuilt_archive(dest.parent) == dest / f"{name}.tar.xz"

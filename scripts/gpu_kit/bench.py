@@ -47,6 +47,18 @@ def vram_mib() -> tuple[float | None, float | None]:
         pynvml.nvmlShutdown()
 
 
+def torch_cuda_mib() -> float | None:
+    """What torch's allocator holds on the GPU (the ExLlamas load through torch), or None
+    where torch was not imported or never touched CUDA."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        return float(torch.cuda.memory_reserved()) / 2**20
+    except Exception:  # a reading only: never fail the bench over it
+        return None
+
+
 def bench(backend: str, model: str, tokens: int, runs: int) -> dict[str, Any]:
     import localrun
 
@@ -70,11 +82,17 @@ def bench(backend: str, model: str, tokens: int, runs: int) -> dict[str, Any]:
             "decode_tps": round(statistics.median(c.timings.decode_tps for c in done), 1),
             "prefill_tps": round(statistics.median(c.timings.prefill_tps for c in done), 1),
         }
+        held = torch_cuda_mib()
+        if held is not None:
+            out["torch_cuda_mib"] = round(held, 1)
         if mine is not None:
             out["vram_mib"] = round(mine, 1)
         elif used0 is not None and used1 is not None:
             out["vram_mib"] = round(used1 - used0, 1)
             out["vram_note"] = "the card's used memory before and after loading"
+        elif held is not None:
+            out["vram_mib"] = out["torch_cuda_mib"]
+            out["vram_note"] = "torch's reserved memory (NVML gave no reading)"
         return out
     finally:
         m.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,10 @@ class Report:
         self.t0 = time.monotonic()
         self.timeline: list[str] = []
         self.logged: set[str] = set()
+        #: written as top-level keys: the machine's facts, the options, why it stopped
+        self.extra: dict[str, Any] = {}
+        #: the builds' ninja-log summaries, read again at every update
+        self.builds: Callable[[], dict[str, Any]] = dict
         out.mkdir(parents=True, exist_ok=True)
         (out / spec.RESULT_LOG).write_text(
             f"localrun GPU kit, {'GPU run' if gpu else 'CPU rehearsal'}, {self.started}\n",
@@ -98,6 +102,10 @@ class Report:
         counts: dict[str, int] = {}
         for r in results:
             counts[r.status] = counts.get(r.status, 0) + 1
+        try:
+            builds = self.builds()
+        except Exception as e:  # a reading only: the results must still be written
+            builds = {"error": f"{type(e).__name__}: {e}"}
         data = {
             "kit_version": spec.KIT_VERSION,
             "mode": "gpu" if self.gpu else "rehearsal",
@@ -108,6 +116,8 @@ class Report:
             "argv": self.argv,
             "ok": overall_ok(results) if finished else None,
             "counts": counts,
+            **self.extra,
+            "builds": builds,
             "steps": [r.to_dict() for r in results],
             "timeline": self.timeline,
         }
@@ -136,7 +146,7 @@ def render_markdown(data: dict[str, Any]) -> str:
            f"({', '.join(f'{n} {k}' for k, n in sorted(data['counts'].items()))}).", "",
            f"Machine: {'; '.join(f.get('nvidia_smi') or ['no GPU'])}; torch "
            f"{torch.get('torch')} (CUDA {torch.get('torch_cuda')}); nvcc {f.get('nvcc')}; "
-           f"{f.get('machine')}.", "",
+           f"{f.get('machine')}.", "", *machine_line(data.get("machine") or {}),
            "| step | status | time | limit | detail |", "|---|---|---|---|---|"]
     for s in data["steps"]:
         t = f"{s['seconds']:.1f} s" if s.get("started_at_s") is not None else "-"
@@ -162,4 +172,30 @@ def render_markdown(data: dict[str, Any]) -> str:
                        f"{b.get('quantization')} | {b.get('device')} | {b.get('load_s')} s | "
                        f"{b.get('ttft_ms')} ms | {b.get('prefill_tps')} tok/s | "
                        f"{b.get('decode_tps')} tok/s | {b.get('vram_mib', '-')} MiB |")
+    out += builds_table(data.get("builds") or {})
     return "\n".join(out) + "\n"
+
+
+def machine_line(m: dict[str, Any]) -> list[str]:
+    if not m:
+        return []
+    ag = m.get("sched_autogroup_enabled")
+    return [f"CPU: {m.get('cpu_model')}, {m.get('cores')} cores ({m.get('cores_allowed')} "
+            f"allowed); kernel {m.get('kernel')}; autogroup "
+            f"{'on' if ag else 'off' if ag is False else 'absent'}; driver {m.get('driver')} "
+            f"(CUDA {m.get('driver_cuda')}); nvcc {m.get('nvcc')}.", ""]
+
+
+def builds_table(builds: dict[str, Any]) -> list[str]:
+    """Per build: units, core-seconds, wall span, parallelism, per kind, slowest units."""
+    rows = [(n, b) for n, b in builds.items() if isinstance(b, dict) and "units" in b]
+    if not rows:
+        return []
+    out = ["", "| build | units | core-s | wall | parallel | per kind (units, mean s) | "
+           "slowest |", "|---|---|---|---|---|---|---|"]
+    for name, b in rows:
+        kinds = ", ".join(f"{k} {v['units']}×{v['mean_s']}" for k, v in b["by_kind"].items())
+        slow = ", ".join(f"{n} {s}" for n, s in b["slowest"][:3])
+        out.append(f"| {name} | {b['units']} | {b['core_s']} | {b.get('wall_s', '-')} s | "
+                   f"{b.get('parallelism', '-')} | {kinds} | {slow} |")
+    return out

@@ -6,11 +6,19 @@ the whole process group when the step's time is up (:class:`StepTimeout`). A ste
 dependency did not succeed is skipped with the reason; a failure never stops the others.
 Steps marked ``gpu`` run one at a time (readings of free VRAM must not race another
 process). Standard library only: this runs under whatever python3 the GPU machine has.
+
+Each command gets its own process group (so a time limit kills its children too) but
+stays in the kit's session. With the kernel's autogroup scheduling
+(``/proc/sys/kernel/sched_autogroup_enabled``), CPU time is shared equally between
+sessions and ``nice`` only weighs processes inside one: a command started in a new
+session would get an equal share whatever its nice value, so the builds' priorities
+(``nice=``) would do nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -109,12 +117,14 @@ class StepContext:
     def run(self, cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
             cwd: str | os.PathLike[str] | None = None, nice: int = 0,
             check: bool = True, limit: float | None = None,
-            capture: bool = False) -> CommandResult:
+            capture: bool = False, new_session: bool = False) -> CommandResult:
         """Run a command, output appended to the step's log, killed at the deadline.
 
         ``check``: a non-zero exit raises StepFailed naming the command and its last
         output line. ``limit`` caps this command below the step's own deadline.
         ``capture``: standard output is also returned (and still logged).
+        ``new_session``: start it in a session of its own, as this runner once did (the
+        priority proof measures what that costs; see the module's docstring).
         """
         if self.abandoned:
             raise StepTimeout("the step was abandoned at its time limit")
@@ -129,11 +139,12 @@ class StepContext:
             argv = ["nice", "-n", str(nice), *argv]
         self.log(f"$ {' '.join(argv)}")
         t0 = time.monotonic()
-        stdout_path = self.log_path.with_name(f"{self.log_path.stem}.stdout")
+        # commands of one step may run at once (the priority proof): one file each
+        stdout_path = self.log_path.with_name(f"{self.log_path.stem}.{next(_SEQ)}.stdout")
         with self.log_path.open("ab") as out, \
                 (stdout_path.open("wb") if capture else contextlib.nullcontext(out)) as so:
-            proc = subprocess.Popen(argv, stdout=so, stderr=out, env=full_env,
-                                    cwd=cwd, start_new_session=True)
+            proc = subprocess.Popen(argv, stdout=so, stderr=out, env=full_env, cwd=cwd,
+                                    **group_kwargs(new_session))
             with self._lock:
                 self._procs.append(proc)
             try:
@@ -167,6 +178,19 @@ class StepContext:
             procs = list(self._procs)
         for p in procs:
             kill_group(p)
+
+
+_SEQ = itertools.count()
+
+
+def group_kwargs(new_session: bool = False) -> dict[str, Any]:
+    """Popen arguments: a process group of its own in this session (nice works between
+    commands), or a new session (autogroup: nice has no effect between sessions)."""
+    if new_session:
+        return {"start_new_session": True}
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0}
+    return {"preexec_fn": os.setpgrp}  # pragma: no cover - Python 3.10
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -227,6 +251,8 @@ class Runner:
         self.grace_s = grace_s
         self.results: dict[str, StepResult] = {}
         self.t0 = 0.0
+        self._running: dict[str, tuple[threading.Thread, StepContext, float,
+                                       dict[str, Any]]] = {}
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -236,7 +262,7 @@ class Runner:
         deadline = self.t0 + self.budget_s
         self.log_dir.mkdir(parents=True, exist_ok=True)
         pending = list(self.steps)
-        running: dict[str, tuple[threading.Thread, StepContext, float, dict[str, Any]]] = {}
+        running = self._running
         while pending or running:
             now = time.monotonic()
             for step in list(pending):
@@ -281,6 +307,21 @@ class Runner:
                         log=str(ctx.log_path)))
             time.sleep(0.05)
         return [self.results[s.name] for s in self.steps]
+
+    def abort(self, why: str) -> list[StepResult]:
+        """Stop the steps still running (their commands' process groups are killed) and
+        record them as out of time; the results so far, in step order. For a ``finally``
+        after a signal: the report must still say what ran."""
+        for name, (_thread, ctx, limit, box) in list(self._running.items()):
+            ctx.kill_all()
+            step = self._step(name)
+            self.results[name] = StepResult(
+                name, step.what, TIMEOUT, seconds=time.monotonic() - box["t0"],
+                limit_s=limit, started_at_s=box["t0"] - self.t0, detail=why,
+                optional=step.optional, facts=ctx.facts, tests=ctx.tests,
+                log=str(ctx.log_path))
+        self._running.clear()
+        return [self.results[s.name] for s in self.steps if s.name in self.results]
 
     def _step(self, name: str) -> Step:
         return next(s for s in self.steps if s.name == name)

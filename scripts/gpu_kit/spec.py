@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 #: Bump when the bundle's layout or contents change: run.py refuses an older bundle.
-KIT_VERSION = 1
+KIT_VERSION = 2
 
 #: Where prepare puts the bundle (repo-relative, ignored by .gitignore) and the name the
 #: device tool's ``carry`` must list.
@@ -23,6 +23,10 @@ DEFAULT_BUDGET_S = 560
 #: Files that may come back from $OUT (at most 8): the kit writes these two.
 RESULT_JSON = "gpu_kit.json"
 RESULT_LOG = "gpu_kit.log"
+#: The llama.cpp libraries built here by scripts/gpu_kit/prebuild_llama.py, when carried:
+#: BUNDLE_DIR/PREBUILT_DIR/llama-cuda-sm90-<version>.tar.xz (+ its .json).
+PREBUILT_DIR = "prebuilt"
+PREBUILT_GLOB = "llama-cuda-*.tar.xz"
 
 # -- llama.cpp (llama-cpp-python's sdist, trimmed) ------------------------------------------
 
@@ -93,7 +97,12 @@ WHEELS = (
     "typing-extensions==4.16.0",
     "marisa-trie==1.4.1",  # exllamav3's safetensors loader
     "diskcache==5.6.3",  # llama_cpp.llama_cache imports it at the top
+    # on the GPU machine's image too (its version unrecorded); carried so that the CPU
+    # rehearsal, whose venv need not have it, runs the same per-test --timeout
+    "pytest-timeout==2.4.0",
 )
+#: The carried wheel the rehearsal installs beside its own venv for the test runs.
+PYTEST_TIMEOUT = "pytest-timeout"
 PY_VERSION = "3.12"
 PLATFORMS = (
     "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
