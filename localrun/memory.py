@@ -385,7 +385,7 @@ def local_shape(path: Path) -> tuple[ModelShape | None, str | None]:
             return None, None
         from localrun.formats.gguf import read_gguf
 
-        return shape_from_gguf_metadata(read_gguf(path).metadata), "its GGUF header"
+        return shape_from_gguf_metadata(read_gguf(path).metadata), "GGUF header"
     for folder in (path, path.parent):
         for name in ("genai_config.json", "config.json"):
             f = folder / name

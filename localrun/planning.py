@@ -273,11 +273,11 @@ def _local_basis(model: str | None, request: PlanRequest) -> _Basis | None:
     path = Path(path)
     try:
         weights = memory.local_weights_bytes(path)
-        shape, where = (request.shape, "its GGUF header") if request.shape is not None \
+        shape, where = (request.shape, "GGUF header") if request.shape is not None \
             else memory.local_shape(path)
     except OSError:
         return None
-    shape_note = f"the shape in {where}" if shape is not None else "no shape (KV cache unknown)"
+    shape_note = f"the shape in its {where}" if shape is not None else "no shape (KV cache unknown)"
     return _Basis(weights, shape, f"the files of {path}: weights {weights / GiB:.2f} GiB, "
                   f"{shape_note}")
 
@@ -327,7 +327,7 @@ def _offline_basis(model: str, fmt: str, quant: str | None) -> _Basis | None:
             params, counted = float(n), (f"{_size(n / 1e9)} parameters counted in "
                                          f"{path.name} (downloaded earlier)")
         if found is not None and shape is None:
-            shape, shaped = found, f"the KV cache from the shape in {where} of {path.name}"
+            shape, shaped = found, f"the KV cache from the shape in the {where} of {path.name}"
     if params is None:
         ref = parse_ref(model)
         entry = ref.entry

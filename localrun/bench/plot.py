@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from localrun.bench.report import BenchReport, RunResult
+from localrun.bench.report import BenchReport, RunResult, params_label
 from localrun.bench.stats import Summary
 from localrun.errors import BenchError
 
@@ -149,9 +149,14 @@ def render_html(report: BenchReport) -> str:
     for r in report.results:
         m = r.model
         parts.append(f"<tr><td>{_esc(series_name(r))}</td><td>{_esc(m.reference)}</td>"
-                     f"<td>{_esc(m.architecture)}</td><td>{_esc(m.parameters)}</td>"
+                     f"<td>{_esc(m.architecture)}</td><td>{_esc(params_label(m.parameters))}</td>"
                      f"<td>{_esc(m.backend)} {_esc(m.engine_version)}</td></tr>")
-    parts.append("</table><p>Bars: p50; whisker tick: p95; whisker top: p99.</p>")
+    parts.append("</table>")
+    # What the JSON says about the run's conditions (a busy host) and what did not run.
+    parts += [f"<p class='note'><b>note</b>: {_esc(n)}</p>" for n in report.notes]
+    parts += [f"<p class='note'><b>skipped</b> {_esc(s.model)} on {_esc(s.backend or '-')}: "
+              f"{_esc(s.reason)}</p>" for s in report.skipped]
+    parts.append("<p>Bars: p50; whisker tick: p95; whisker top: p99.</p>")
     c_lat = 1 if 1 in w.concurrency else w.concurrency[0]
 
     def pick(r: RunResult, metric: str, p: int, c: int) -> Summary | None:

@@ -192,6 +192,13 @@ class BenchReport:
         return asdict(self)
 
 
+def params_label(n: int | None) -> str:
+    """A parameter count as people write it: 135M, 1.54B ("unknown" when not known)."""
+    if n is None:
+        return "unknown"
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
 def host_context(hw: HardwareProfile, load_start: tuple[float, float, float] | None,
                  load_end: tuple[float, float, float] | None) -> HostContext:
     return HostContext(

@@ -11,6 +11,7 @@ import typer
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
 
     from localrun.bench import BenchReport, RunResult, Summary
 
@@ -110,12 +111,6 @@ def _bytes(n: int | None) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def _params(n: int | None) -> str:
-    if n is None:
-        return "unknown"
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
-
-
 def print_report(console: Console, report: BenchReport) -> None:
     h, w, bw = report.host, report.workload, report.bandwidth
     gpus = ", ".join(f"{g['name']} ({_bytes(g['memory_total_bytes'])})" for g in h.gpus) or "none"
@@ -142,36 +137,60 @@ def print_report(console: Console, report: BenchReport) -> None:
         console.print(f"[yellow]note[/]: {_e(note)}")
 
 
-def _run_table(console: Console, r: RunResult) -> None:
+#: The run table's columns: what identifies a row, then latency, then throughput. A
+#: console too narrow for all of them gets two tables (each with the identifying ones)
+#: rather than cut cells.
+_KEY_COLUMNS = ("prompt", "conc", "mode")
+_LATENCY_COLUMNS = ("TTFT ms p50/95/99", "TPOT ms p50/95/99", "e2e s p50/95/99")
+_RATE_COLUMNS = ("prefill tok/s", "decode tok/s", "req/s", "out tok/s", "tokens", "roofline")
+
+
+def _table(columns: tuple[str, ...], rows: list[dict[str, str]]) -> Table:
     from rich.table import Table
+
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    for col in columns:
+        # fold, never crop: on a console too narrow even for half the columns a value
+        # breaks across lines, every digit kept
+        table.add_column(col, justify="left" if col == "mode" else "right", overflow="fold")
+    for row in rows:
+        table.add_row(*(row[c] for c in columns))
+    return table
+
+
+def _run_table(console: Console, r: RunResult) -> None:
+    from localrun.bench.report import params_label
 
     m, mem = r.model, r.memory
     quant = m.quantization or "unquantized"
     group = f", group {m.group_size}" if m.group_size else ""
     console.print()
     console.print(f"[bold]{_e(m.reference)}[/] · {_e(m.name or '')} · {_e(m.architecture)} · "
-                  f"{_params(m.parameters)} params ({_e(m.parameters_source)}) · "
+                  f"{params_label(m.parameters)} params ({_e(m.parameters_source)}) · "
                   f"{_e(m.format)} {_e(quant)}{_e(group)} · weights {_bytes(m.weight_bytes)}")
     console.print(f"  engine {_e(m.backend)} {_e(m.engine_version)} · context "
                   f"{m.context_length} · load {m.load_s:.2f} s · peak RSS "
                   f"{_bytes(mem.peak_rss_bytes)} ({_e(mem.peak_rss_scope)}) · after load "
                   f"{_bytes(mem.rss_after_load_bytes)} · VRAM {_bytes(mem.vram_bytes)}")
-    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
-    for col in ("prompt", "conc", "mode", "TTFT ms p50/95/99", "TPOT ms p50/95/99",
-                "e2e s p50/95/99", "prefill tok/s", "decode tok/s", "req/s", "out tok/s",
-                "tokens", "roofline"):
-        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
+    rows = []
     for wl in r.workloads:
         tokens = (f"{wl.output_tokens_mean:.0f}/{wl.gen_tokens}" if wl.short_requests
                   else f"{wl.gen_tokens}")
         exact = "" if wl.prompt_tokens_exact else "*"
-        table.add_row(f"{wl.prompt_tokens}{exact}", str(wl.concurrency), wl.mode,
-                      _ms(wl.ttft), _ms(wl.tpot), _ms(wl.e2e, 1.0),
-                      _num(wl.prefill_tokens_per_s), _num(wl.decode_tokens_per_s),
-                      _num(wl.requests_per_s, ".2f"), _num(wl.output_tokens_per_s),
-                      tokens, "n/a" if wl.roofline_share is None
-                      else f"{wl.roofline_share:.0%}")
-    console.print(table)
+        values = (f"{wl.prompt_tokens}{exact}", str(wl.concurrency), wl.mode,
+                  _ms(wl.ttft), _ms(wl.tpot), _ms(wl.e2e, 1.0),
+                  _num(wl.prefill_tokens_per_s), _num(wl.decode_tokens_per_s),
+                  _num(wl.requests_per_s, ".2f"), _num(wl.output_tokens_per_s),
+                  tokens, "n/a" if wl.roofline_share is None else f"{wl.roofline_share:.0%}")
+        rows.append(dict(zip(_KEY_COLUMNS + _LATENCY_COLUMNS + _RATE_COLUMNS, values,
+                             strict=True)))
+    whole = _table(_KEY_COLUMNS + _LATENCY_COLUMNS + _RATE_COLUMNS, rows)
+    natural = console.measure(whole, options=console.options.update_width(10_000)).maximum
+    if natural <= console.width:
+        console.print(whole)
+    else:
+        console.print(_table(_KEY_COLUMNS + _LATENCY_COLUMNS, rows))
+        console.print(_table(_KEY_COLUMNS + _RATE_COLUMNS, rows))
     for pc in r.prefix_cache:
         console.print(f"  shared prefix ({pc.shared_prefix_tokens} of {pc.prompt_tokens} "
                       f"tokens): TTFT p50 {pc.cold_ttft.p50 * 1000:.1f} ms cold -> "

@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import httpx2
 import huggingface_hub
@@ -251,3 +252,28 @@ def _find_local(r: ModelRef, fmt: str, quant: str | None) -> tuple[StoredModel, 
         if hit is not None:
             return hit, "lmstudio"
     return None
+
+
+def pulled_paths(model: str) -> list[Path]:
+    """What earlier downloads of ``model`` (this name, for any engine) left in the cache:
+    the GGUF file, or the variant's folder; read offline to size the model for another
+    engine or machine (:func:`localrun.planning.plan`)."""
+    from localrun import pulls
+    from localrun.errors import LocalrunError
+    from localrun.hub.listing import cached_repos, record_listing, record_name, records
+    from localrun.refs import parse_ref
+
+    try:
+        name = record_name(parse_ref(model))
+    except LocalrunError:
+        return []
+    found = pulls.find(records(), name) if name else []
+    cached = cached_repos() if found else {}
+    out: list[Path] = []
+    for rec in found:
+        lst = record_listing(rec, cached)
+        if lst is None or lst.snapshot is None:
+            continue
+        folder = lst.snapshot / rec.subfolder if rec.subfolder else lst.snapshot
+        out.append(folder / rec.primary if rec.primary else folder)
+    return out
