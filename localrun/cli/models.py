@@ -11,6 +11,10 @@ import typer
 
 def list_models(
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per model.")] = False,
+    path_of: Annotated[str | None, typer.Option(
+        "--path", metavar="NAME", help="Print only the path of the model with this name (as "
+        "listed, or a name it was pulled as): localrun run \"$(localrun list --path NAME)\".",
+    )] = None,
 ) -> None:
     """List downloaded models: name, format, quant, size, location and the engine that runs it.
 
@@ -24,6 +28,8 @@ def list_models(
       localrun list
 
       localrun list --json
+
+      localrun list --path smollm2:135m
     """
     from dataclasses import asdict
 
@@ -38,6 +44,15 @@ def list_models(
     default = stores.default_model()
     if default is not None:
         found.append(default)
+    if path_of is not None:
+        path = next((m.path for m in found if path_of in (m.name, *m.pulled_as)), None)
+        if path is None:
+            from localrun.errors import LocalrunError
+
+            raise LocalrunError(f"No model named {path_of!r} on disk (localrun list shows "
+                                "the names)", hint=f"download it first: localrun pull {path_of}")
+        sys.stdout.write(path + "\n")
+        return
     if json_out:
         for m in found:
             d = asdict(m)
