@@ -708,3 +708,21 @@ def test_prepare_carries_prebuilt_libraries_with_their_record(tmp_path: Path) ->
     info = prepare.copy_prebuilt(src, dest)
     assert info["file"] == f"{name}.tar.xz" and info["built"] == {"build_s": 1800}
     assert kit_run.prebuilt_archive(dest.parent) == dest / f"{name}.tar.xz"
+
+
+def test_with_exllamav3_brings_its_steps_back(bundle: tuple[Path, dict[str, Any]],
+                                              tmp_path: Path) -> None:
+    skip = "proof_nice,proof_all_skipped,proof_test_timeout,model_hf,model_gguf," \
+        "llama_configure,test_nvml,test_llama_cpp,bench_llama_cpp,test_exllamav2"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_kit/run.py"), "--dry-run",
+                           "--with-exllamav3", "--bundle", str(bundle[0]), "--work",
+                           str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+                           "--skip", skip], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    data = json.loads((tmp_path / "out" / spec.RESULT_JSON).read_text())
+    steps = {s["name"]: s for s in data["steps"]}
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert data["options"]["with_exllamav3"] is True
+    assert steps["test_exllamav3"]["status"] == "ok", steps["test_exllamav3"]
+    assert steps["test_exllamav3"]["detail"].startswith("collected ")
+    assert "GPU machine only" in steps["exl3_build"]["detail"]
