@@ -29,8 +29,9 @@ __all__ = ["Model", "Stream", "load", "make_sampling"]
 
 
 class Model:
-    """A loaded model. Safe to share between threads: calls queue up and run one at a
-    time, or together where the engine batches (OpenVINO GenAI's continuous batching)."""
+    """A loaded model. Safe to share between threads: where the engine batches
+    (llama.cpp, MLX, OpenVINO GenAI, ExLlama, a remote server or vLLM) calls run together
+    in its batch; elsewhere (ONNX Runtime GenAI) they queue up and run one at a time."""
 
     def __init__(self, session: Session, sampling_defaults: Mapping[str, Any] | None = None
                  ) -> None:
