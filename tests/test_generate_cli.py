@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -255,6 +257,131 @@ def test_text_input_line_not_utf8(default_gguf: Path, tmp_path: Path) -> None:
     rows = {row["id"]: row for row in results(out)}
     assert_valid(rows[1])
     assert rows[2]["line"] == 2 and "not UTF-8 text: byte 0xE9 at offset 3" in rows[2]["error"]
+
+
+# -- one run per output file; a full disk (issue 24, item 8) ------------------------------
+
+
+def _one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr and "bug" not in stderr, stderr
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 2 and lines[0].startswith("error: "), stderr
+    assert lines[1].strip().startswith("hint: "), stderr
+    return lines[0]
+
+
+@requires_llama
+def test_a_second_run_on_the_same_output_refuses(default_gguf: Path, tmp_path: Path) -> None:
+    """The first run holds the output: a second one started meanwhile writes nothing and
+    says who has it; the first then finishes with every id exactly once."""
+    ids = [f"q{i}" for i in range(24)]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": QUESTIONS[n % 12]}
+                                              for n, i in enumerate(ids)])
+    out = tmp_path / "out.jsonl"
+    first = subprocess.Popen([*localrun_cmd(), "generate", str(default_gguf), "-i", str(inp),
+                              "-o", str(out), *FLAGS, "-n", "4"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
+            assert first.poll() is None and time.monotonic() < deadline, "no first result"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGSTOP)  # holds its lock, writes nothing until SIGCONT
+        before = out.read_bytes()
+        second = generate(default_gguf, inp, out, "-n", "4", timeout=120)
+        assert second.returncode != 0
+        line = _one_error_line(second.stderr)
+        assert str(out) in line and "another" in line.lower() and str(first.pid) in line
+        assert out.read_bytes() == before  # the second run wrote nothing
+    finally:
+        first.send_signal(signal.SIGCONT)
+        try:
+            first.wait(timeout=240)
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.wait()
+    assert first.returncode == 0, first.stderr.read() if first.stderr else ""
+    assert_each_once(out, ids)
+    assert not out.with_name(out.name + ".lock").exists()  # the lock file goes with the run
+    r = generate(default_gguf, inp, out, "-n", "4")  # and a later run is not locked out
+    assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr
+
+
+#: ``localrun ARGS`` whose writes to one file (argv[1]) stop with ENOSPC after argv[2]
+#: bytes, as a full disk does: the last write that fits is cut short, the next fails.
+#: Used where no small file system can be mounted (mounting needs root).
+_FULL_DISK_SHIM = """
+import errno, os, sys
+target, left = os.path.realpath(sys.argv[1]), [int(sys.argv[2])]
+real = os.write
+def write(fd, data):
+    try:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        name = ""
+    if name != target:
+        return real(fd, data)
+    if left[0] <= 0:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    n = real(fd, bytes(data[:left[0]]))
+    left[0] -= n
+    return n
+os.write = write
+sys.argv = ["localrun", *sys.argv[3:]]
+from localrun.cli import main
+main()
+"""
+
+
+def _mount_tmpfs(folder: Path, size: int) -> bool:
+    """A ``size``-byte tmpfs at ``folder`` (root only); False where it cannot be had."""
+    folder.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        return False
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                       capture_output=True, timeout=30)
+    return r.returncode == 0
+
+
+@requires_llama
+def test_a_full_disk_is_one_line_and_resume_completes(default_gguf: Path,
+                                                       tmp_path: Path) -> None:
+    """ENOSPC while appending: "disk full" in one line with the path, a non-zero exit, no
+    torn line; after space is freed the same command finishes every id exactly once.
+    On a real 8 KiB tmpfs where root can mount one, else a write that fails as one does."""
+    ids = [f"q{i}" for i in range(40)]  # ~40 x 250 bytes: more than the space there is
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": QUESTIONS[n % 12]}
+                                              for n, i in enumerate(ids)])
+    disk = tmp_path / "disk"
+    mounted = _mount_tmpfs(disk, 8192)
+    out = disk / "out.jsonl"
+    try:
+        if mounted:
+            r = generate(default_gguf, inp, out, "-n", "4")
+        else:
+            r = subprocess.run([sys.executable, "-c", _FULL_DISK_SHIM, str(out), "3000",
+                                "generate", str(default_gguf), "-i", str(inp), "-o", str(out),
+                                *FLAGS, "-n", "4"], capture_output=True, text=True,
+                               timeout=300)
+        assert r.returncode == 1, r.stderr
+        line = _one_error_line(r.stderr)
+        assert "disk full" in line.lower() and str(out) in line and "bytes" in line, line
+        rows = results(out)  # whole lines only: no torn line left behind
+        assert 1 <= len(rows) < len(ids), len(rows)
+        assert len({row["id"] for row in rows}) == len(rows)
+        kept = out.read_bytes()
+        if mounted:  # space freed: the same file system, grown
+            subprocess.run(["mount", "-o", "remount,size=1048576", str(disk)], check=True,
+                           capture_output=True, timeout=30)
+        r = generate(default_gguf, inp, out, "-n", "4")
+        assert r.returncode == 0, r.stderr
+        assert f"skipped {len(rows)}" in r.stderr
+        assert out.read_bytes().startswith(kept)  # what was written is kept as it was
+        assert_each_once(out, ids)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)
 
 
 # -- an engine that batches: OpenVINO GenAI's continuous batching -----------------------

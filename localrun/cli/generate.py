@@ -2,12 +2,15 @@
 
 Nothing is lost and nothing runs twice: each result is one JSON line appended (and
 flushed) the moment it is done; a re-run with the same output skips the ids already
-there; a partial last line left by a killed run is cut off and redone.
+there; a partial last line left by a killed run is cut off and redone. One run at a
+time per output file (a lock beside it); a write that fails (a full disk) is taken back
+to the last whole line and stops the run, which the same command then resumes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -219,33 +222,124 @@ def read_output(path: Path) -> Done:
 
 
 class Output:
-    """Append-only JSONL: one os.write per line, so a line is whole or absent."""
+    """Append-only JSONL: one os.write per line, so a line is whole or absent. A write
+    that fails (a full disk) is taken back to the last whole line, and the run stops."""
 
     def __init__(self, path: Path, keep_bytes: int, drop_keys: set[str]) -> None:
-        if drop_keys:
-            _rewrite_without(path, drop_keys)
-        elif path.exists() and path.stat().st_size != keep_bytes:
-            with open(path, "r+b") as f:  # cut a partial line left by a killed run
-                f.truncate(keep_bytes)
-                os.fsync(f.fileno())
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            if drop_keys:
+                _rewrite_without(path, drop_keys)
+            elif path.exists() and path.stat().st_size != keep_bytes:
+                with open(path, "r+b") as f:  # cut a partial line left by a killed run
+                    f.truncate(keep_bytes)
+                    os.fsync(f.fileno())
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._size = os.fstat(self._fd).st_size
+        except OSError as e:
+            raise write_error(path, e, 0) from None
         self._synced = time.monotonic()
+        self.written = 0  # lines this run
 
     def write(self, obj: dict[str, Any]) -> None:
         data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as e:
+            with contextlib.suppress(OSError):  # cutting a file back needs no new space
+                os.ftruncate(self._fd, self._size)
+            self._close()
+            raise write_error(self.path, e, len(data), self.written) from None
+        self._size += len(data)
+        self.written += 1
         if time.monotonic() - self._synced >= FSYNC_EVERY:
-            os.fsync(self._fd)
+            self._sync()
             self._synced = time.monotonic()
+
+    def _sync(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError as e:  # some file systems report a full disk only here
+            self._close()
+            raise write_error(self.path, e, 0, self.written) from None
+
+    def _close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def close(self) -> None:
         if self._fd >= 0:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = -1
+            self._sync()
+            self._close()
+
+
+def write_error(path: Path, e: OSError, nbytes: int, saved: int = 0) -> Exception:
+    """One line for a failed write of the output: a full disk (or quota) by name."""
+    from localrun.errors import LocalrunError
+
+    what = f"{nbytes:,} bytes of a result" if nbytes else "the results"
+    kept = f"; the {saved} results written before it are kept" if saved else ""
+    full = e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+    return LocalrunError(
+        f"{'Disk full' if full else 'Cannot write'}: {what} could not be written to {path} "
+        f"({e.strerror or e}){kept}",
+        hint=("free space on that disk (df -h shows it), then " if full else
+              "fix that, then ") + "run the same command again: it resumes where this stopped")
+
+
+@contextlib.contextmanager
+def exclusive(output: Path) -> Iterator[None]:
+    """Hold ``OUTPUT.lock`` (an exclusive flock) while a run reads and appends ``output``;
+    LocalrunError at once when another run holds it. The lock goes with its holder, even
+    killed; the file is removed at the end (a run that opened it meanwhile sees it gone
+    and takes a fresh one). Windows has no flock: runs there are not locked."""
+    from localrun.errors import LocalrunError
+
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    lock = output.with_name(output.name + ".lock")
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise LocalrunError(f"Cannot create the lock file {lock}: {e.strerror or e}",
+                                hint="pass --output in a folder you can write to") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise LocalrunError(f"Cannot lock {lock}: {e.strerror or e}",
+                                    hint="pass --output on a local disk") from None
+            who = f" (pid {holder})" if holder.isdigit() else ""
+            raise LocalrunError(
+                f"Another localrun generate{who} is writing to {output}; a second run on the "
+                "same file would run its prompts twice", hint="wait for it to finish (or "
+                "stop it), then run the same command again to resume; or pass another "
+                "--output") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # its holder removed it as we opened it: take the new one
+    with contextlib.suppress(OSError):  # the pid, for the message above; a full disk
+        os.ftruncate(fd, 0)               # does not stop the run here
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+        os.close(fd)
 
 
 def _rewrite_without(path: Path, drop_keys: set[str]) -> None:
@@ -260,10 +354,14 @@ def _rewrite_without(path: Path, drop_keys: set[str]) -> None:
             continue
         keep.append(raw)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.writelines(keep)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)  # the output itself is untouched
+        raise
     os.replace(tmp, path)
 
 
@@ -389,32 +487,33 @@ def generate(
     if fail_fast and bad:
         raise LocalrunError(f"Line {bad[0].line} of {input}: {bad[0].error}; nothing was run",
                             hint="fix that line, or drop --fail-fast to record it and go on")
-    previous = read_output(output)
-    redo = previous.failed if retry_failed else set()
-    tally = Tally()
-    todo = []
-    for r in records:
-        if (r.key in previous.ok or r.key in previous.failed) and r.key not in redo:
-            tally.skipped += 1
-        else:
-            todo.append(r)
-    if previous.partial_bytes:
-        err.print(f"note: an incomplete last line ({previous.partial_bytes} bytes) from an "
-                  "interrupted run will be cut off and redone", highlight=False)
-    if not todo:
-        failed = f" ({len(previous.failed)} failed; --retry-failed runs them again)" \
-            if previous.failed else ""
-        err.print(f"nothing to do: all {len(records)} ids of {input} are in {output}{failed}",
-                  highlight=False)
-        return
+    with exclusive(output):  # one run at a time appends to a file
+        previous = read_output(output)
+        redo = previous.failed if retry_failed else set()
+        tally = Tally()
+        todo = []
+        for r in records:
+            if (r.key in previous.ok or r.key in previous.failed) and r.key not in redo:
+                tally.skipped += 1
+            else:
+                todo.append(r)
+        if previous.partial_bytes:
+            err.print(f"note: an incomplete last line ({previous.partial_bytes} bytes) from an "
+                      "interrupted run will be cut off and redone", highlight=False)
+        if not todo:
+            failed = f" ({len(previous.failed)} failed; --retry-failed runs them again)" \
+                if previous.failed else ""
+            err.print(f"nothing to do: all {len(records)} ids of {input} are in {output}{failed}",
+                      highlight=False)
+            return
 
-    with loading.load(model, remote) as m:
-        out = Output(output, previous.size, redo & {r.key for r in todo})
-        try:
-            _run(m, out, todo, {**structured, **options}, concurrency, fail_fast, progress,
-                 tally, err, len(records))
-        finally:
-            out.close()
+        with loading.load(model, remote) as m:
+            out = Output(output, previous.size, redo & {r.key for r in todo})
+            try:
+                _run(m, out, todo, {**structured, **options}, concurrency, fail_fast, progress,
+                     tally, err, len(records))
+            finally:
+                out.close()
 
 
 def _run(m: Any, out: Output, todo: list[Record], sampling: dict[str, Any],
