@@ -48,12 +48,12 @@ def cpu_model(cpuinfo: str | None = None) -> str | None:
 def smi_facts() -> dict[str, Any]:
     """Driver, the CUDA version the driver supports, and the GPUs, from nvidia-smi."""
     out: dict[str, Any] = {}
-    head = capture(["nvidia-smi"], timeout=20)
+    head = capture(["nvidia-smi"], timeout=15)
     m = re.search(r"CUDA Version:\s*([\d.]+)", head)
     if m:
         out["driver_cuda"] = m.group(1)
     rows = capture(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
-                    "compute_cap", "--format=csv,noheader"], timeout=20)
+                    "compute_cap", "--format=csv,noheader"], timeout=15)
     gpus = [r.strip() for r in rows.splitlines() if r.strip()]
     if gpus:
         out["gpus"] = gpus
@@ -69,8 +69,9 @@ def nvcc_version(home: str | None) -> str | None:
     return m.group(2) if m else None
 
 
-def machine_facts() -> dict[str, Any]:
-    """The facts that plan the next run; none of them needs more than a second or two."""
+def machine_facts(smi: bool = True) -> dict[str, Any]:
+    """The facts that plan the next run; none of them needs more than a second or two
+    (``smi``: ask nvidia-smi too, which a wedged GPU could hold up to 30 s)."""
     try:
         allowed = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -88,7 +89,8 @@ def machine_facts() -> dict[str, Any]:
     }
     with contextlib.suppress(OSError):
         facts["loadavg"] = [round(x, 2) for x in os.getloadavg()]
-    facts.update(smi_facts())
+    if smi:
+        facts.update(smi_facts())
     return facts
 
 
