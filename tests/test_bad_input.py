@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from localrun.errors import LocalrunError, ModelFileError
+from localrun.errors import LocalrunError
 from localrun.server.config import ServerConfig
 from tests.conftest import localrun_cmd
 from tests.serverutil import MODEL, Running, request, server_fixtures
+from tests.test_gguf import deep_array_gguf
 
 server_model, srv = server_fixtures(ServerConfig())
 
@@ -203,38 +203,6 @@ def test_lone_surrogates_in_python_calls_are_localrun_errors(llama_model: Any) -
     with pytest.raises(LocalrunError, match="surrogate"):
         m.batch(["fine", "a\ud800b"], max_tokens=2)
     assert m.chat("\U0001F600 hi", max_tokens=2, temperature=0).text is not None
-
-
-# -- GGUF nesting -------------------------------------------------------------------------
-
-
-def deep_array_gguf(depth: int) -> bytes:
-    """A GGUF v3 header, no tensors, two keys: the architecture, and an array of an array
-    of ... ``depth`` deep around one uint32 (7)."""
-    def text(b: bytes) -> bytes:
-        return struct.pack("<Q", len(b)) + b
-
-    arch = text(b"general.architecture") + struct.pack("<I", 8) + text(b"llama")
-    deep = text(b"test.deep") + struct.pack("<I", 9) \
-        + struct.pack("<IQ", 9, 1) * (depth - 1) + struct.pack("<IQI", 4, 1, 7)
-    return b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + arch + deep + b"\0" * 32
-
-
-def test_gguf_arrays_nested_too_deep_are_a_damaged_file(tmp_path: Path) -> None:
-    from localrun.formats.gguf import MAX_ARRAY_DEPTH, metadata_from_bytes, read_gguf
-
-    ok = tmp_path / "ok.gguf"
-    ok.write_bytes(deep_array_gguf(MAX_ARRAY_DEPTH))
-    value: Any = read_gguf(ok, check_size=False).metadata["test.deep"]
-    for _ in range(MAX_ARRAY_DEPTH):
-        value = value[0]
-    assert value == 7
-    bad = tmp_path / "deep.gguf"
-    bad.write_bytes(deep_array_gguf(5000))
-    with pytest.raises(ModelFileError, match=f"nested more than {MAX_ARRAY_DEPTH} deep"):
-        read_gguf(bad)
-    with pytest.raises(ValueError, match="nested"):
-        metadata_from_bytes(bad.read_bytes())
 
 
 # -- the CLI ------------------------------------------------------------------------------

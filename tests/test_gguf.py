@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,35 @@ def test_a_file_changed_in_place_is_read_again(default_gguf: Path, tmp_path: Pat
     small.write_bytes(gguf_bytes(layers=25))  # same size, same inode
     os.utime(small, ns=(before + 10**6, before + 10**6))  # a write a moment later
     assert read_gguf(small).n_layers == 25
+
+
+# -- arrays of arrays nested past any real file (issue 24, item 7) -----------------------
+
+
+def deep_array_gguf(depth: int) -> bytes:
+    """A GGUF v3 header, no tensors, two keys: the architecture, and an array of an array
+    of ... ``depth`` deep around one uint32 (7)."""
+    def text(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+
+    arch = text(b"general.architecture") + struct.pack("<I", 8) + text(b"llama")
+    deep = text(b"test.deep") + struct.pack("<I", 9) \
+        + struct.pack("<IQ", 9, 1) * (depth - 1) + struct.pack("<IQI", 4, 1, 7)
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + arch + deep + b"\0" * 32
+
+
+def test_gguf_arrays_nested_too_deep_are_a_damaged_file(tmp_path: Path) -> None:
+    from localrun.formats.gguf import MAX_ARRAY_DEPTH
+
+    ok = tmp_path / "ok.gguf"
+    ok.write_bytes(deep_array_gguf(MAX_ARRAY_DEPTH))
+    value: Any = read_gguf(ok, check_size=False).metadata["test.deep"]
+    for _ in range(MAX_ARRAY_DEPTH):
+        value = value[0]
+    assert value == 7
+    bad = tmp_path / "deep.gguf"
+    bad.write_bytes(deep_array_gguf(5000))
+    with pytest.raises(ModelFileError, match=f"nested more than {MAX_ARRAY_DEPTH} deep"):
+        read_gguf(bad)
+    with pytest.raises(ValueError, match="nested"):
+        metadata_from_bytes(bad.read_bytes())
