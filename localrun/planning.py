@@ -43,14 +43,22 @@ def plan(
 ) -> Plan:
     """Plan engine, format, quantization and device for ``model`` on this (or a described) host.
 
-    ``hardware`` plans for another machine (``HardwareProfile.load("mac16.json")``);
+    ``hardware`` plans for another machine (``HardwareProfile.find("mac-m2-16gb")``, or
+    ``.load(path)`` of what ``localrun doctor --json`` wrote);
     ``installed`` maps engine name to version (default: the engines installed here).
     For a model that is not on disk, ``hub=True`` adds the Hub step: the repo, the files
     and whether they fit in the device's memory at ``context`` (Hub API calls only,
-    no weights are downloaded). Raises FormatMismatchError for an explicit backend that
+    no weights are downloaded); when the Hub cannot be reached, an estimate from what is
+    known here (``memory["estimated_from"]`` says what). A model on disk is sized from
+    its own files. Raises FormatMismatchError for an explicit backend that
     cannot run a local model's format, NoSuitableEngineError when no engine can run it.
     """
-    from localrun.errors import FormatMismatchError, LocalrunError
+    from localrun.errors import (
+        FormatMismatchError,
+        HubUnavailableError,
+        LocalrunError,
+        OfflineMissingError,
+    )
 
     try:
         return plan_fetch(model, backend=backend, hardware=hardware, installed=installed,
@@ -59,14 +67,16 @@ def plan(
     except FormatMismatchError:
         raise
     except LocalrunError as e:
-        if not hub or model is None:
+        if not hub:
             raise
         # The engine choice stands without the Hub; say what the Hub step could not do,
-        # and size the model from what is known here.
+        # and, when the Hub could not be asked, size the model from what is known here.
         chosen = plan_fetch(model, backend=backend, hardware=hardware, installed=installed,
                             prefer=prefer, allow_unoptimized=allow_unoptimized, hub=False)[0]
         chosen = replace(chosen, notes=(*chosen.notes,
-                                        _hub_skipped(e, model, chosen, hardware is not None)))
+                                        _hub_skipped(e, chosen, hardware is not None)))
+        if model is None or not isinstance(e, (OfflineMissingError, HubUnavailableError)):
+            return chosen  # the Hub answered (no variant, gated, ...): nothing to size
         basis = _offline_basis(model, chosen.format, quant or chosen.quantization)
         if basis is None:
             return replace(chosen, notes=(*chosen.notes, (
@@ -77,7 +87,7 @@ def plan(
         return _with_estimate(chosen, basis, profile, context)
 
 
-def _hub_skipped(e: LocalrunError, model: str, chosen: Plan, described: bool) -> str:
+def _hub_skipped(e: LocalrunError, chosen: Plan, described: bool) -> str:
     """The plan's note for a Hub step that failed: what happened, and what would let it
     run. Offline, "run localrun pull first" would be circular (a pull needs the Hub too)
     and, for a described machine, wrong (a pull plans for this one)."""
