@@ -97,6 +97,17 @@ def test_the_offline_note_names_hf_endpoint_not_a_pull(offline_env: dict[str, st
     assert "the parameter count in its name (7B) at 4bit" in mem["estimated_from"]
 
 
+def test_pull_offline_does_not_say_pull_first(offline_env: dict[str, str]) -> None:
+    r = cli(offline_env, "pull", "qwen2.5:7b")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: HF_HUB_OFFLINE=1 is set")
+    assert "localrun pull" not in r.stderr
+    assert lines[1] == ("  hint: a download needs the Hub: unset HF_HUB_OFFLINE, or set "
+                        "HF_ENDPOINT=URL to use a mirror or proxy of it, and run this "
+                        "command again")
+
+
 def test_the_catalog_sizes_a_model_its_name_does_not(offline_env: dict[str, str]) -> None:
     mem = _plan(offline_env, "phi4-mini", "--hardware", "epyc-cpu")["memory"]
     assert isinstance(mem, dict)

@@ -43,6 +43,7 @@ def pull(
     from localrun.backends import BACKENDS
     from localrun.cli._download import DownloadBar, print_plan
     from localrun.embedded import ensure_default_model
+    from localrun.errors import OfflineMissingError
     from localrun.planning import plan_fetch
     from localrun.refs import default_serves, is_default_name
 
@@ -53,12 +54,19 @@ def pull(
             ensure_default_model(progress=bar.report)
     profile = download.profile()
     installed = dict.fromkeys(BACKENDS, "assumed") if profile is not None else None
-    chosen, plan = plan_fetch(model, backend=backend or "auto", hardware=profile,
-                              installed=installed, context=context, quant=quant)
-    if plan is None or memory is not None:
-        budget = int(memory * 2**30) if memory is not None else None
-        plan = hub.plan_fetch(model, backend=chosen.backend, context=context, quant=quant,
-                              memory_budget_bytes=budget)
+    try:
+        chosen, plan = plan_fetch(model, backend=backend or "auto", hardware=profile,
+                                  installed=installed, context=context, quant=quant)
+        if plan is None or memory is not None:
+            budget = int(memory * 2**30) if memory is not None else None
+            plan = hub.plan_fetch(model, backend=chosen.backend, context=context,
+                                  quant=quant, memory_budget_bytes=budget)
+    except OfflineMissingError as exc:  # its own hint says "run localrun pull": this is it
+        reach = ("unset HF_HUB_OFFLINE" if "HF_HUB_OFFLINE" in exc.reason
+                 else "connect to the network")
+        raise OfflineMissingError(exc.model, exc.missing, reason=exc.reason, hint=(
+            f"a download needs the Hub: {reach}, or set HF_ENDPOINT=URL to use a mirror or "
+            "proxy of it, and run this command again")) from exc
     print_plan(console, plan)
     plan.require_fit()
     if plan.local_path is not None:
