@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import Session
 from localrun.driver import Driver, Request, Stream
+from localrun.driver.sequence import token_ids
 from localrun.errors import LocalrunError, ModelClosedError
 from localrun.sampling import ResolvedSampling, make_sampling
 from localrun.structured.output import StructuredRequest, prepare, raw_plan
@@ -70,16 +71,24 @@ class Model:
                            **sampling).join()
 
     def complete(
-        self, prompt: str, *, cancel: CancelToken | None = None, response_format: Any = None,
-        schema: Any = None, **sampling: Any
+        self, prompt: str | Sequence[int], *, cancel: CancelToken | None = None,
+        response_format: Any = None, schema: Any = None, **sampling: Any
     ) -> Completion:
-        """Continue raw text, without the chat template (``schema=`` constrains it too)."""
+        """Continue raw text, without the chat template (``schema=`` constrains it too).
+
+        ``prompt`` is text, or token ids of this model's tokenizer, used as they are (no
+        BOS added; llama.cpp, ONNX Runtime GenAI and MLX take them). ``echo=True`` puts
+        the prompt's tokens with their log probabilities in
+        ``Completion.prompt_logprobs`` (the first token's is None); with
+        ``max_tokens=0`` the prompt is only scored (lm-evaluation-harness's
+        loglikelihood). ``logprobs``/``top_logprobs`` as for :meth:`stream`.
+        """
         return self.stream(prompt, raw=True, cancel=cancel, response_format=response_format,
                            schema=schema, **sampling).join()
 
     def stream(
         self,
-        messages: str | Sequence[Message],
+        messages: str | Sequence[Message] | Sequence[int],
         *,
         raw: bool = False,
         cancel: CancelToken | None = None,
@@ -96,16 +105,30 @@ class Model:
         Structured output and tools as for :meth:`chat`; tool calls stream as
         ``Chunk.tool_calls`` deltas (a stable ``index``, the id and name first, then
         argument fragments that concatenate to the call's JSON arguments).
+
+        Log probabilities: ``logprobs=True`` fills ``Completion.logprobs`` (and each
+        chunk's ``logprobs``) with every chosen token's, ``top_logprobs=k`` (at most 20)
+        adds the k most likely tokens at each position; the model's own distribution,
+        before penalties, temperature, filters and masks (OpenAI's and vLLM's). llama.cpp,
+        ONNX Runtime GenAI and MLX report them; another engine raises
+        UnsupportedFeatureError before generating. ``echo`` as for :meth:`complete`.
         """
+        tokens = None
         if raw and not isinstance(messages, str):
-            raise LocalrunError("raw=True takes a prompt string", hint="pass the text itself")
+            tokens = token_ids(messages)
+            if not tokens:
+                raise LocalrunError("raw=True takes a prompt string or a non-empty list of "
+                                    "token ids", hint="pass the text itself, or its token ids")
         request = make_sampling(**sampling)
+        if request.echo and not raw:
+            raise LocalrunError("echo=True takes a raw prompt, not a conversation",
+                                hint="use Model.complete(prompt, echo=True)")
         structured = prepare(response_format, schema, tools, tool_choice)
         if raw:
             raw_plan(structured)  # tools need a chat turn: refuse now, not mid-stream
-        msgs = None if raw else normalize_messages(messages)
+        msgs = None if raw else normalize_messages(messages)  # type: ignore[arg-type]
         text = messages if isinstance(messages, str) and raw else None
-        return self._stream(msgs, text, request, cancel or CancelToken(), structured)
+        return self._stream(msgs, text, request, cancel or CancelToken(), structured, tokens)
 
     def batch(
         self,
@@ -253,8 +276,10 @@ class Model:
         return session
 
     def _stream(self, messages: list[Message] | None, text: str | None, request: Sampling,
-                cancel: CancelToken, structured: StructuredRequest | None = None) -> Stream:
-        return self._driver.stream(Request(messages, text, request, structured), cancel)
+                cancel: CancelToken, structured: StructuredRequest | None = None,
+                tokens: tuple[int, ...] | None = None) -> Stream:
+        return self._driver.stream(Request(messages, text, request, structured, tokens),
+                                   cancel)
 
 
 def load(

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from localrun.driver import BatchResult, Driver, Request
+from localrun.driver.sequence import token_ids
 from localrun.errors import LocalrunError
 from localrun.sampling import make_sampling
 from localrun.structured.output import StructuredRequest
@@ -33,12 +34,13 @@ class BatchItem:
     """One batch entry with its own sampling overrides.
 
     ``input`` is a prompt string (sent as one user message through the chat template)
-    or a list of ``{"role", "content"}`` messages; ``raw=True`` completes a string
-    without the chat template. ``sampling`` holds the same options as ``Model.chat``
-    (``{"temperature": 0, "max_tokens": 64}``) and overrides the batch-wide ones.
+    or a list of ``{"role", "content"}`` messages; ``raw=True`` completes a string, or a
+    list of token ids, without the chat template. ``sampling`` holds the same options as
+    ``Model.chat`` (``{"temperature": 0, "max_tokens": 64}``) and overrides the batch-wide
+    ones.
     """
 
-    input: str | Sequence[Message]
+    input: str | Sequence[Message] | Sequence[int]
     sampling: Mapping[str, Any] = field(default_factory=dict)
     raw: bool = False
 
@@ -78,9 +80,13 @@ def _request(item: object, base: Sampling, structured: StructuredRequest | None
         value = item  # type: ignore[assignment]
     request = make_sampling(base, **overrides)
     if raw:
-        if not isinstance(value, str):
-            raise LocalrunError("raw=True takes a prompt string", hint="pass the text itself")
-        return Request(None, value, request, structured)
+        if isinstance(value, str):
+            return Request(None, value, request, structured)
+        tokens = token_ids(value)  # lm-evaluation-harness sends token ids
+        if not tokens:
+            raise LocalrunError("raw=True takes a prompt string or a non-empty list of "
+                                "token ids", hint="pass the text itself, or its token ids")
+        return Request(None, None, request, structured, tokens)
     return Request(normalize_messages(value), None, request, structured)
 
 

@@ -497,6 +497,22 @@ class ConstrainedDecodingUnavailableError(StructuredOutputError):
                          "or ask without schema=/response_format=/tool_choice")
 
 
+class UnsupportedFeatureError(LocalrunError, ValueError):
+    """A request option this engine cannot honour (log probabilities, echo, token-id
+    prompts): refused before any token is generated, never silently left out."""
+
+    def __init__(self, backend: str, option: str, reason: str, *,
+                 supported_by: Sequence[str] = ()):
+        self.backend = backend
+        self.option = option  # the option as the caller spelled it: "top_logprobs", "echo"
+        self.reason = reason
+        self.supported_by = tuple(supported_by)
+        others = ", ".join(b for b in self.supported_by if b != backend)
+        super().__init__(f"{option} is not available on {backend}: {reason}",
+                         hint=f"load the model with an engine that has it ({others})"
+                         if others else f"ask without {option}")
+
+
 class InvalidToolError(StructuredOutputError):
     """A ``tools``/``tool_choice``/``response_format``/``schema`` argument is malformed."""
 

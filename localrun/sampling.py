@@ -19,7 +19,7 @@ from typing import Any
 
 from localrun.errors import InvalidSamplingError
 from localrun.structured.constraint import Constraint
-from localrun.types import Sampling
+from localrun.types import MAX_TOP_LOGPROBS, Sampling
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,11 @@ class ResolvedSampling:
     #: what the reply must match (structured output, forced tool calls); set by the API
     #: from schema=/response_format=/tool_choice, never from the model's defaults
     constraint: Constraint | None = None
+    #: log probabilities of the chosen tokens: None, off; n, with the n most likely
+    #: tokens at each position (0-20). The caller's alone, never a model default.
+    logprobs: int | None = None
+    #: the prompt's tokens with their log probabilities (raw prompts; see types.Sampling)
+    echo: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +62,7 @@ FALLBACK = ResolvedSampling(
 SAMPLING_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(Sampling))
 
 MAX_SEED = 2**32 - 1
+MAX_TOKENS_ALLOWED = "an integer >= 1 (0 only with echo=True: score the prompt alone)"
 
 
 def _number(name: str, value: object, allowed: str) -> float:
@@ -78,10 +84,20 @@ def _check(name: str, value: Any) -> Any:
     if value is None:
         return None
     if name == "max_tokens":
-        v = _integer(name, value, "an integer >= 1")
-        if v < 1:
-            raise InvalidSamplingError(name, value, "an integer >= 1")
-        return v
+        v = _integer(name, value, MAX_TOKENS_ALLOWED)
+        if v < 0:
+            raise InvalidSamplingError(name, value, MAX_TOKENS_ALLOWED)
+        return v  # 0 only with echo=True: make_sampling checks the pair
+    if name in ("logprobs", "echo"):
+        if not isinstance(value, bool):
+            raise InvalidSamplingError(name, value, "True or False")
+        return value
+    if name == "top_logprobs":
+        allowed = f"an integer from 0 to {MAX_TOP_LOGPROBS}"
+        k = _integer(name, value, allowed)
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise InvalidSamplingError(name, value, allowed)
+        return k
     if name == "temperature":
         t = _number(name, value, "a number >= 0 (0 = greedy)")
         if t < 0:
@@ -133,7 +149,13 @@ def make_sampling(base: Sampling | None = None, **options: Any) -> Sampling:
         v = _check(name, value)
         if v is not None:
             checked[name] = v
-    return replace(base or Sampling(), **checked)
+    out = replace(base or Sampling(), **checked)
+    if out.max_tokens == 0 and not out.echo:
+        raise InvalidSamplingError("max_tokens", 0, MAX_TOKENS_ALLOWED)
+    if out.logprobs is False and out.top_logprobs:
+        raise InvalidSamplingError("top_logprobs", out.top_logprobs,
+                                   "0 or unset when logprobs=False")
+    return out
 
 
 def _model_default(name: str, value: Any) -> Any:
@@ -152,7 +174,7 @@ def resolve(request: Sampling, model_defaults: Mapping[str, Any] | None = None) 
     defaults = model_defaults or {}
     out: dict[str, Any] = {}
     for f in fields(ResolvedSampling):
-        if f.name == "constraint":
+        if f.name in ("constraint", "logprobs", "echo"):
             continue
         value = getattr(request, f.name)
         if value is None or (f.name == "stop" and not value):
@@ -160,4 +182,6 @@ def resolve(request: Sampling, model_defaults: Mapping[str, Any] | None = None) 
         if value is None:
             value = getattr(FALLBACK, f.name)
         out[f.name] = value
-    return ResolvedSampling(**out)
+    top = request.top_logprobs or 0
+    return ResolvedSampling(**out, logprobs=top if request.logprobs or top else None,
+                            echo=bool(request.echo))

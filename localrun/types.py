@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypedDict
 
@@ -26,6 +27,91 @@ class Message(_MessageRequired, total=False):
     tool_calls: list[dict[str, Any]]
     tool_call_id: str
     name: str
+
+
+#: Most alternatives ``top_logprobs`` may ask for per token (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One of the most likely tokens at a position: its text, its bytes, its id and the
+    model's log probability of it."""
+
+    token: str
+    bytes: bytes
+    id: int
+    logprob: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token": self.token, "bytes": list(self.bytes), "id": self.id,
+                "logprob": self.logprob}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token of a reply or prompt with the model's log probability of it given the
+    tokens before it: ln p under the model's own distribution (the raw logits' log-softmax
+    over the whole vocabulary, before penalties, temperature, filters and masks).
+
+    ``token`` is its text as the reply shows it (special tokens, such as the end of
+    sequence, show as ""; a token that ends inside a UTF-8 character shows U+FFFD) and
+    ``bytes`` its exact bytes; ``top_logprobs`` the ``top_logprobs`` most likely tokens
+    at its position, best first (by id among equals). ``logprob`` is None for a prompt's
+    first token (nothing comes before it). OpenAI's shapes follow directly:
+    :func:`chat_logprobs` (Chat Completions) and :func:`completion_logprobs` (legacy
+    Completions)."""
+
+    token: str
+    bytes: bytes
+    id: int
+    logprob: float | None
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token": self.token, "bytes": list(self.bytes), "id": self.id,
+                "logprob": self.logprob,
+                "top_logprobs": [t.to_dict() for t in self.top_logprobs]}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI Chat Completions' ``choices[].logprobs``: ``{"content": [{token, logprob,
+    bytes, top_logprobs: [{token, logprob, bytes}]}]}`` (a prompt's first token, which
+    has no logprob, is left out)."""
+
+    def one(t: TopLogprob | TokenLogprob) -> dict[str, Any]:
+        return {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
+
+    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e.top_logprobs]}
+                        for e in entries if e.logprob is not None]}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int = 0
+                        ) -> dict[str, Any]:
+    """Legacy Completions' ``choices[].logprobs``: ``{tokens, token_logprobs,
+    top_logprobs, text_offset}``. Each ``top_logprobs`` dict maps token text to logprob
+    and holds the chosen token too (as OpenAI and vLLM do; two tokens of the same text
+    keep the higher); a prompt's first token has None there and in ``token_logprobs``.
+    ``text_offset``: the character offset of the first token (0 when the entries begin
+    with the echoed prompt, else the prompt text's length)."""
+    offsets: list[int] = []
+    tops: list[dict[str, float] | None] = []
+    at = text_offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e.token)
+        if e.logprob is None:
+            tops.append(None)
+            continue
+        top: dict[str, float] = {}
+        for token, logprob in (*((t.token, t.logprob) for t in e.top_logprobs),
+                               (e.token, e.logprob)):
+            if logprob > top.get(token, float("-inf")):
+                top[token] = logprob
+        tops.append(top)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}
 
 
 @dataclass(frozen=True)
@@ -67,6 +153,9 @@ class Chunk:
     usage: Usage | None = None
     timings: Timings | None = None
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    #: with ``logprobs=True``: the tokens whose text this chunk brings (or the chunks
+    #: before it brought), in order, each at most once over the stream
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,7 +163,13 @@ class Completion:
     """A whole reply. ``text`` is its content (without the tool calls); ``tool_calls``
     the calls it made (``finish_reason="tool_calls"``); ``parsed`` the reply's JSON as
     Python data, or the pydantic model instance, when it was asked for with ``schema=``
-    or ``response_format=``."""
+    or ``response_format=``.
+
+    ``logprobs`` (asked with ``logprobs=True``) holds one entry per token the engine
+    chose, in order: each reply token, and the end-of-sequence token when the reply ended
+    on one (its text is empty; ``usage.completion_tokens`` does not count it), as vLLM
+    reports it. ``prompt_logprobs`` (``complete(..., echo=True)``) holds the prompt's
+    tokens, the first with ``logprob=None``. None where they were not asked for."""
 
     text: str
     finish_reason: FinishReason
@@ -82,11 +177,18 @@ class Completion:
     timings: Timings
     tool_calls: tuple[ToolCall, ...] = ()
     parsed: Any = field(default=None, compare=False)
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k not in ("tool_calls", "parsed")}
+        skip = ("tool_calls", "parsed", "logprobs", "prompt_logprobs")
+        out = {k: v for k, v in asdict(self).items() if k not in skip}
         if self.tool_calls:
             out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        for name in ("logprobs", "prompt_logprobs"):
+            entries = getattr(self, name)
+            if entries is not None:
+                out[name] = [e.to_dict() for e in entries]
         if self.parsed is not None:
             dump = getattr(self.parsed, "model_dump", None)
             out["parsed"] = dump(mode="json") if callable(dump) else self.parsed
@@ -117,6 +219,9 @@ class Sampling:
     The same values mean the same thing on every backend: ``temperature=0`` is greedy
     decoding, ``top_k=0`` / ``top_p=1`` / ``min_p=0`` / ``repetition_penalty=1`` switch
     that filter off, ``stop`` strings end the reply and are not part of its text.
+    ``logprobs``/``top_logprobs``/``echo`` ask for log probabilities (:class:`TokenLogprob`):
+    always the model's own distribution, before the repetition penalty, the
+    temperature, the filters and any structured-output mask, as OpenAI and vLLM report them.
     """
 
     max_tokens: int | None = None
@@ -127,6 +232,14 @@ class Sampling:
     repetition_penalty: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    #: report each chosen token's log probability (``Completion.logprobs``)
+    logprobs: bool | None = None
+    #: and the most likely tokens at each position, 0 to :data:`MAX_TOP_LOGPROBS`
+    #: (more than 0 implies ``logprobs``)
+    top_logprobs: int | None = None
+    #: raw prompts only: the prompt's tokens with their log probabilities
+    #: (``Completion.prompt_logprobs``); with ``max_tokens=0`` nothing is generated
+    echo: bool | None = None
 
 
 class CancelToken:

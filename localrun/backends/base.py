@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from localrun.errors import LocalrunError
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
-from localrun.types import CancelToken, FinishReason, Message, ModelInfo
+from localrun.types import CancelToken, FinishReason, Message, ModelInfo, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,11 @@ class GenerationStats:
     #: set by a Batcher before it ends ONE sequence with ``(key, None)`` because the engine
     #: failed that sequence alone (the others go on); the driver raises it for that one
     error: LocalrunError | None = None
+    #: ``sampling.logprobs`` set: the driver puts a list here and the engine appends one
+    #: entry per token it chooses (:mod:`localrun.backends.logprobs` makes them), BEFORE
+    #: it hands over that token's text piece, and one for the end-of-sequence token when
+    #: it ends on one; None: not asked (the engine does no work for it)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Batcher(ABC):
@@ -143,6 +148,26 @@ class Session(ABC):
         ``sampling.max_tokens`` ("length"), keep ``stats`` current as it goes, and clean
         up when closed early.
         """
+
+    # -- log probabilities (localrun.backends.logprobs) ------------------------------------
+    #: What the engine reports, checked by the driver before any token is generated (an
+    #: UnsupportedFeatureError otherwise): "logprobs" (each chosen token's, in
+    #: ``stats.logprobs``), "top" (with the most likely alternatives), "echo" (the prompt's,
+    #: :meth:`prompt_logprobs`), "tokens" (token-id prompts, :meth:`encode_ids`).
+    features: frozenset[str] = frozenset()
+
+    def prompt_logprobs(self, prompt: Prompt, top: int) -> list[TokenLogprob]:
+        """Each prompt token with its log probability given the tokens before it (the
+        first: None) and its ``top`` most likely alternatives: one forward pass over the
+        prompt that keeps every position's logits. Only asked where "echo" is in
+        :attr:`features`."""
+        raise NotImplementedError(f"{type(self).__name__} has no prompt log probabilities")
+
+    def encode_ids(self, tokens: Sequence[int]) -> Prompt:
+        """A prompt given as token ids, used as they are (no BOS added); raises a
+        LocalrunError for an id outside the vocabulary. Only asked where "tokens" is in
+        :attr:`features`."""
+        raise NotImplementedError(f"{type(self).__name__} takes no token-id prompts")
 
     def batcher(self) -> Batcher | None:
         """This session's engine batcher, created on first use and kept; None: the engine

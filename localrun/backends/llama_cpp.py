@@ -42,6 +42,7 @@ from localrun.backends.base import (
 )
 from localrun.backends.llama_cpp_kv import KV_TYPES
 from localrun.backends.llama_cpp_reuse import common_prefix, reusable_prefix
+from localrun.backends.logprobs import Scorer, check_ids, llama_row
 from localrun.backends.openmp import release_pool
 from localrun.errors import LocalrunError, ModelFileError
 from localrun.formats.gguf import GGUFInfo, read_gguf
@@ -57,7 +58,7 @@ from localrun.structured.constraint import Constraint
 from localrun.structured.engines import LazyGrammar, llama_cpp_processors
 from localrun.structured.grammar import tokenizer_from_llama
 from localrun.templates import render_chat
-from localrun.types import CancelToken, Message, ModelInfo
+from localrun.types import CancelToken, Message, ModelInfo, TokenLogprob
 
 #: Device words llama.cpp takes. Each GPU kind is a llama.cpp build (CUDA, HIP, Vulkan,
 #: Metal); "gpu" is whichever the installed build has. ``kind:N`` / ``kind:N,M`` name GPUs
@@ -221,6 +222,8 @@ class LlamaCppSession(Session):
         # all; we call the C function ourselves and keep each token's bytes.
         self._piece_buf = ctypes.create_string_buffer(64)
         self._pieces: dict[int, bytes] = {}
+        self._scorer = Scorer(self._piece)  # log probabilities (backends/logprobs.py)
+        self._n_vocab = int(self._llm.n_vocab())
         self._ctx_ptr = self._llm._ctx.ctx
         model = self._llm._model
         self._bos = _token_text(model, self._llm.token_bos())
@@ -278,6 +281,36 @@ class LlamaCppSession(Session):
     def encode_rendered(self, text: str) -> Prompt:
         return Prompt(self._tokenize(text), text)
 
+    def encode_ids(self, tokens: Sequence[int]) -> Prompt:
+        return Prompt(check_ids("llama.cpp", tokens, self._n_vocab))
+
+    # -- log probabilities (localrun.backends.logprobs) ----------------------------------
+
+    features = frozenset({"logprobs", "top", "echo", "tokens"})
+
+    def prompt_logprobs(self, prompt: Prompt, top: int) -> list[TokenLogprob]:
+        """Feeds the prompt as ``Llama.eval`` does (pieces of ``n_batch`` tokens from 0),
+        keeping every token's logits: its cells are then the ones a whole-prompt feed
+        computes (which rows give logits changes no cell), so the reply that follows
+        keeps them, as after a previous call with this prompt (:meth:`_keep_cells`)."""
+        llm = self._llm
+        tokens = list(prompt.tokens)
+        out = [self._scorer.first(tokens[0])]
+        self._prompt_cells = 0
+        llm.n_tokens = 0
+        llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        size = int(llm.n_batch)
+        for start in range(0, len(tokens), size):
+            piece = tokens[start:start + size]
+            llm._batch.set_batch(batch=piece, n_past=start, logits_all=True)
+            llm._ctx.decode(llm._batch)
+            llm.input_ids[start:start + len(piece)] = piece
+            llm.n_tokens = start + len(piece)
+            rows = llama_row(self._lc, self._ctx_ptr, None, self._n_vocab, len(piece))
+            out += self._scorer.prompt(rows, tokens, start, top)
+        self._prompt_cells = len(tokens)
+        return out
+
     # -- constrained decoding (llguidance through logits_processor) ---------------------
 
     def _llg_tokenizer(self) -> Any:
@@ -310,6 +343,7 @@ class LlamaCppSession(Session):
         is_eog = lc.llama_vocab_is_eog
         vocab = self._vocab
         mask = self._grammar.mask(sampling.constraint) if sampling.constraint else None
+        entries, top = stats.logprobs, sampling.logprobs or 0  # None: not asked
         tokens = llm.generate(
             prompt.tokens,
             top_k=sampling.top_k,
@@ -327,6 +361,9 @@ class LlamaCppSession(Session):
             for n, token in enumerate(tokens, 1):
                 if n == 1:  # the whole prompt has its cells now
                     self._prompt_cells = len(prompt.tokens)
+                if entries is not None:  # the logits it was drawn from are the context's
+                    entries.append(self._scorer.entry(
+                        llama_row(lc, self._ctx_ptr, -1, self._n_vocab), token, top))
                 if is_eog(vocab, token):
                     stats.finish_reason = "stop"
                     break

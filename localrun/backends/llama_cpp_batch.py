@@ -41,7 +41,9 @@ built from the same llama.cpp samplers in the same order: the structured-output 
 (llguidance, as :func:`~localrun.structured.engines.llama_cpp_processors` applies it),
 the repetition penalty over the last ``last_n_tokens_size`` tokens, then greedy, or the
 temperature, top_k, top_p, min_p and the seeded draw. A constraint is enforced per
-sequence: its matcher is fed each token drawn, as in the single path.
+sequence: its matcher is fed each token drawn, as in the single path. Log probabilities,
+where asked, come from the row a token was drawn from, right after its draw
+(:mod:`localrun.backends.logprobs`).
 
 **KV reuse.** A slot keeps the cells of the sequence that last ran in it. A new prompt
 takes the free slot whose cells share the longest usable prefix with it (at least
@@ -66,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import Batcher, GenerationStats, Prompt
 from localrun.backends.llama_cpp_reuse import common_prefix, reusable_prefix
+from localrun.backends.logprobs import llama_row
 from localrun.backends.openmp import release_pool
 from localrun.errors import GenerationError, LocalrunError
 from localrun.sampling import ResolvedSampling
@@ -100,7 +103,7 @@ class _Seq:
     cells in its slot, and its own sampler chain, grammar matcher and UTF-8 decoder."""
 
     __slots__ = ("chain", "decoder", "key", "limit", "mask", "n_gen", "n_past",
-                 "n_prompt", "order", "out", "slot", "stats", "tokens")
+                 "n_prompt", "order", "out", "slot", "stats", "tokens", "top")
 
     def __init__(self, key: int, slot: int, tokens: list[int], n_past: int, limit: int,
                  chain: Any, mask: TokenMask | None, stats: GenerationStats,
@@ -118,6 +121,7 @@ class _Seq:
         self.n_gen = 0
         self.out = -1  # row of this step's batch whose logits it samples from, or -1
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.top: int | None = None  # logprobs asked: the alternatives per token
 
 
 class _Slot:
@@ -234,6 +238,7 @@ class LlamaCppBatcher(Batcher):
         self._admitted += 1
         seq = _Seq(key, slot.id, tokens, keep, limit, self._chain(sampling, mask), mask,
                    stats, self._admitted)
+        seq.top = sampling.logprobs if stats.logprobs is not None else None
         slot.seq = seq
         self._seqs[key] = seq
         stats.prefill_tokens = len(tokens) - keep
@@ -258,7 +263,7 @@ class LlamaCppBatcher(Batcher):
             t0 = time.perf_counter()
             self._decode([(q, 1) for q in decoding], live, "decode")
             for q in decoding:
-                drawn.append((q, sample(q.chain.sampler, ctx, q.out)))
+                drawn.append((q, self._scored(q, sample(q.chain.sampler, ctx, q.out))))
             dt = time.perf_counter() - t0
             for q in decoding:
                 q.stats.decode_tokens += 1
@@ -267,7 +272,7 @@ class LlamaCppBatcher(Batcher):
             for q in decoding:
                 t0 = time.perf_counter()
                 self._decode([(q, 1)], live, "decode")
-                drawn.append((q, sample(q.chain.sampler, ctx, q.out)))
+                drawn.append((q, self._scored(q, sample(q.chain.sampler, ctx, q.out))))
                 q.stats.decode_tokens += 1
                 q.stats.decode_seconds += time.perf_counter() - t0
         rows = 0
@@ -279,12 +284,20 @@ class LlamaCppBatcher(Batcher):
             t0 = time.perf_counter()
             self._decode([(q, k)], live, "prefill")  # a decode of its own: see _chunk
             if q.out >= 0:
-                drawn.append((q, sample(q.chain.sampler, ctx, q.out)))
+                drawn.append((q, self._scored(q, sample(q.chain.sampler, ctx, q.out))))
             q.stats.prefill_seconds += time.perf_counter() - t0
             rows += k
         for q, token in drawn:
             self._take(q, token, events)
         return events
+
+    def _scored(self, seq: _Seq, token: int) -> int:
+        """``token``, with its log-probability entry kept first when asked for: from the
+        row it was drawn from, before the next decode overwrites the logits."""
+        if seq.top is not None and seq.stats.logprobs is not None:
+            row = llama_row(self._lc, self._ctx, seq.out, self._n_vocab)
+            seq.stats.logprobs.append(self._session._scorer.entry(row, token, seq.top))
+        return token
 
     def _take(self, seq: _Seq, token: int, events: list[tuple[int, str | None]]) -> None:
         """A token drawn for ``seq``: its end, or its piece."""

@@ -78,12 +78,14 @@ from localrun.backends.hf_config import (
     sampling_defaults,
     trained_context,
 )
+from localrun.backends.logprobs import PROMPT_ROWS, Scorer, TokenBytes, check_ids
 from localrun.backends.mlx_batch import (
     CAPACITY,
     MLXBatcher,
     PrefixCache,
     reuse_processors,
     seeded_sampler,
+    with_raw,
 )
 from localrun.errors import (
     ChatTemplateError,
@@ -96,7 +98,7 @@ from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
 from localrun.structured.engines import LazyGrammar
 from localrun.structured.grammar import TokenMask, tokenizer_from_json
-from localrun.types import CancelToken, FinishReason, Message, ModelInfo
+from localrun.types import CancelToken, FinishReason, Message, ModelInfo, TokenLogprob
 
 #: Tokenizer files of which an MLX folder needs one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -206,6 +208,9 @@ class MLXSession(Session):
         vocab = config.get("vocab_size")
         self._grammar = LazyGrammar("mlx", lambda: self._llg_tokenizer(path),
                                     vocab if isinstance(vocab, int) else None)
+        self._vocab = vocab if isinstance(vocab, int) else len(self._tok.get_vocab())
+        tok = self._tok
+        self._scorer = Scorer(TokenBytes(path / "tokenizer.json", lambda t: str(tok.decode([t]))))
         self.sampling_defaults = sampling_defaults(gen_config)
         quant = config.get("quantization")
         bits = quant.get("bits") if isinstance(quant, dict) else None
@@ -243,6 +248,37 @@ class MLXSession(Session):
     def encode_rendered(self, text: str) -> Prompt:
         return Prompt(list(self._tok.encode(text, add_special_tokens=False)), text)
 
+    def encode_ids(self, tokens: Sequence[int]) -> Prompt:
+        return Prompt(check_ids("mlx", tokens, self._vocab))
+
+    # -- log probabilities (localrun.backends.logprobs) ----------------------------------
+
+    features = frozenset({"logprobs", "top", "echo", "tokens"})
+
+    def prompt_logprobs(self, prompt: Prompt, top: int) -> list[TokenLogprob]:
+        worker = self._worker
+        if worker is None:
+            raise LocalrunError("This MLX session is closed", hint="load the model again")
+        return worker.call(lambda: self._score(list(prompt.tokens), top))
+
+    def _score(self, tokens: list[int], top: int) -> list[TokenLogprob]:
+        """On the mlx thread: the prompt through the model in pieces of
+        :data:`~localrun.backends.logprobs.PROMPT_ROWS` tokens, every position's logits
+        kept; the cache is offered to the prefix cache, so the reply that follows
+        prefills only the last prompt token."""
+        import numpy as np
+        from mlx_lm.models.cache import make_prompt_cache
+
+        mx = self._mx
+        cache = make_prompt_cache(self._model)
+        out = [self._scorer.first(tokens[0])]
+        for start in range(0, len(tokens), PROMPT_ROWS):
+            logits = self._model(mx.array(tokens[start:start + PROMPT_ROWS])[None], cache=cache)
+            rows = np.array(logits[0].astype(mx.float32))
+            out += self._scorer.prompt(rows, tokens, start, top)
+        self._prefixes.keep(tokens, cache)
+        return out
+
     # -- constrained decoding (llguidance as a logits processor) ------------------------
 
     def _llg_tokenizer(self, folder: Path) -> Any:
@@ -269,21 +305,26 @@ class MLXSession(Session):
         detok.reset()
         eos = self._eos
         limit = sampling.max_tokens
+        entries, top = stats.logprobs, sampling.logprobs or 0  # None: not asked
+        procs, raw = with_raw(reuse_processors(sampling, mask, tokens, reused),
+                              entries is not None)
         steps = self._generate_step(
             self._mx.array(tokens[reused:]), self._model, max_tokens=limit,
-            sampler=seeded_sampler(sampling), prompt_cache=cache,
-            logits_processors=reuse_processors(sampling, mask, tokens, reused))
+            sampler=seeded_sampler(sampling), prompt_cache=cache, logits_processors=procs)
         reason: FinishReason = "length"
         t0 = time.perf_counter()
         t_first = t_last = 0.0
         n = 0
         given: list[int] = []  # every token generate_step gave: it ran the model on each
         try:
-            for token, _logprobs in steps:
+            for token, logprobs in steps:
                 t_last = time.perf_counter()
                 if not n:
                     t_first = t_last
                 given.append(int(token))
+                if entries is not None:  # before its piece (base.GenerationStats)
+                    assert raw is not None
+                    entries.append(self._scorer.entry(raw.row(logprobs), token, top))
                 if token in eos:
                     reason = "stop"
                     break
@@ -315,7 +356,7 @@ class MLXSession(Session):
             raise LocalrunError("This MLX session is closed", hint="load the model again")
         # The worker fills the engine timings into its own stats object; we count
         # the pieces the caller actually received.
-        engine_stats = GenerationStats()
+        engine_stats = GenerationStats(logprobs=stats.logprobs)  # entries: the same list
         mask = self._grammar.mask(sampling.constraint) if sampling.constraint else None
         relay: Relay[tuple[FinishReason, str]] = Relay()
         worker.submit(relay.job(lambda: self._run(prompt, sampling, cancel, relay,
@@ -350,7 +391,8 @@ class MLXSession(Session):
             tok = self._tok
             self._batcher = MLXBatcher(worker, self._model, self._eos,
                                        lambda: keep_first_space(tok.detokenizer),
-                                       self._prefixes, self._grammar.mask, self._capacity)
+                                       self._prefixes, self._grammar.mask, self._capacity,
+                                       self._scorer)
         return self._batcher
 
     def close(self) -> None:

@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from localrun.backends._worker import Worker
 from localrun.backends.base import Batcher, GenerationStats, Prompt
+from localrun.backends.logprobs import Scorer
 from localrun.errors import LocalrunError
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
@@ -149,6 +151,43 @@ def reuse_processors(sampling: ResolvedSampling, mask: TokenMask | None,
         return logits
 
     return [run]
+
+
+class RawLogits:
+    """Log probabilities are the raw model's (:mod:`localrun.backends.logprobs`), but
+    mlx-lm hands over its log-softmax after the logits processors (the penalty, the
+    mask): where a sequence has processors, this one goes first and keeps each step's
+    raw logits, in order (mlx-lm computes a step ahead, so a queue)."""
+
+    def __init__(self) -> None:
+        self.rows: deque[Any] = deque()
+
+    def __call__(self, _tokens: Any, logits: Any) -> Any:
+        import mlx.core as mx
+
+        # a new array: the processors after it assign into ``logits`` (__setitem__
+        # rebinds that array object to the changed values)
+        self.rows.append(mx.array(logits))
+        return logits
+
+    def row(self, given: Any) -> Any:
+        """The raw row of the token just drawn, as float32 numpy: the kept one, or
+        ``given`` (mlx-lm's own log-softmax, raw where there are no processors)."""
+        import mlx.core as mx
+        import numpy as np
+
+        row = self.rows.popleft() if self.rows else given
+        return np.array(row.astype(mx.float32)).reshape(-1)
+
+
+def with_raw(procs: list[Callable[[Any, Any], Any]] | None, wanted: bool
+             ) -> tuple[list[Callable[[Any, Any], Any]] | None, RawLogits | None]:
+    """``procs`` with a :class:`RawLogits` first where log probabilities are asked for
+    (a RawLogits without rows where there are none: mlx-lm's own are raw then)."""
+    if not wanted:
+        return procs, None
+    raw = RawLogits()
+    return ([raw, *procs] if procs else procs), raw
 
 
 # -- KV reuse ---------------------------------------------------------------------------
@@ -285,6 +324,8 @@ class _Seq:
     detok: Any
     first: float = 0.0  # perf_counter() of the first reply token
     last: float = 0.0
+    raw: RawLogits | None = None  # logprobs asked: where the raw logits are
+    top: int = 0
 
 
 class MLXBatcher(Batcher):
@@ -292,8 +333,10 @@ class MLXBatcher(Batcher):
 
     def __init__(self, worker: Worker, model: Any, eos: frozenset[int],
                  detokenizer: Callable[[], Any], prefixes: PrefixCache,
-                 mask: Callable[[Constraint], TokenMask], capacity: int = CAPACITY["cpu"]) -> None:
+                 mask: Callable[[Constraint], TokenMask], capacity: int = CAPACITY["cpu"],
+                 scorer: Scorer | None = None) -> None:
         self._worker = worker
+        self._scorer = scorer or Scorer(lambda t: b"")
         self._model = model
         self._eos = eos
         self._detokenizer = detokenizer
@@ -348,13 +391,14 @@ class MLXBatcher(Batcher):
         gen = self._generator()
         cache, reused = self._prefixes.borrow(tokens)
         sampler = seeded_sampler(sampling)
+        procs, raw = with_raw(sequence_processors(sampling, mask, len(tokens)),
+                              stats.logprobs is not None)
         [uid] = gen.insert([tokens[reused:]], max_tokens=[sampling.max_tokens],
                            caches=[cache], all_tokens=[tokens[:reused]],
-                           samplers=[sampler],
-                           logits_processors=[sequence_processors(sampling, mask,
-                                                                  len(tokens))])
+                           samplers=[sampler], logits_processors=[procs or []])
         stats.prefill_tokens = len(tokens) - reused
-        self._seqs[uid] = _Seq(key, stats, self._detokenizer())
+        self._seqs[uid] = _Seq(key, stats, self._detokenizer(), raw=raw,
+                               top=sampling.logprobs or 0)
         self._uids[key] = uid
 
     def _cancel(self, key: int) -> None:
@@ -389,6 +433,9 @@ class MLXBatcher(Batcher):
                 continue
             stats = seq.stats
             reason: FinishReason | None = r.finish_reason  # "stop": r.token is an EOS id
+            if seq.raw is not None and stats.logprobs is not None:  # before its piece
+                stats.logprobs.append(self._scorer.entry(seq.raw.row(r.logprobs), r.token,
+                                                         seq.top))
             if reason != "stop":
                 seq.detok.add_token(r.token)
                 stats.completion_tokens += 1

@@ -4,8 +4,8 @@ The engine is driven token by token on the caller's thread: ``append_tokens`` ru
 model, ``get_logits`` gives the next token's scores, and localrun's sampler
 (:mod:`localrun.backends.logits_sampler`, its table says what each option does) picks
 the token, which is appended in turn. Plain greedy calls (no repetition penalty, no
-constraint) let the engine pick (``generate_next_token`` on a greedy Generator: the
-engine's own loop, the same tokens). The engine's sampler is never used:
+constraint, no logprobs) let the engine pick (``generate_next_token`` on a greedy
+Generator: the engine's own loop, the same tokens). The engine's sampler is never used:
 
 * **KV reuse across calls.** The session keeps one ``og.Generator`` (one KV cache) from
   call to call; a call ``rewind_to``-s the longest prefix it shares with the previous
@@ -95,6 +95,7 @@ from localrun.backends.hf_config import (
     token_ids,
 )
 from localrun.backends.logits_sampler import LogitsSampler
+from localrun.backends.logprobs import Scorer, TokenBytes, check_ids, onnx_prompt
 from localrun.backends.onnx_devices import config_device, parse_device, require_build
 from localrun.errors import (
     ChatTemplateError,
@@ -109,7 +110,7 @@ from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
 from localrun.structured.engines import LazyGrammar
 from localrun.structured.grammar import tokenizer_from_json
-from localrun.types import CancelToken, Message, ModelInfo
+from localrun.types import CancelToken, Message, ModelInfo, TokenLogprob
 
 #: Prompt rows per tile of ONNX Runtime's CPU int4 matmul (MLAS ``StrideM``), counted
 #: from the first row of each ``append_tokens``; a tile of one row takes the single-row
@@ -221,6 +222,12 @@ class OnnxGenAISession(Session):
         vocab = model_cfg.get("vocab_size")
         self._grammar = LazyGrammar("onnx", lambda: self._llg_tokenizer(path),
                                     vocab if isinstance(vocab, int) else None)
+        self._vocab = vocab if isinstance(vocab, int) else 2**31 - 1
+        self._scorer = Scorer(TokenBytes(path / "tokenizer.json",
+                                         lambda t: str(self._tok.decode([t]))))
+        outputs = model_cfg["decoder"].get("outputs")  # echo reads every row's logits there
+        self._logits = str(outputs.get("logits", "logits")) if isinstance(outputs, dict) \
+            else "logits"
         trained = model_cfg.get("context_length")
         trained = trained if isinstance(trained, int) and trained > 0 else None
         self.info = ModelInfo(
@@ -251,6 +258,32 @@ class OnnxGenAISession(Session):
 
     def encode_rendered(self, text: str) -> Prompt:
         return Prompt([int(t) for t in self._chat_tok.encode(text)], text)
+
+    def encode_ids(self, tokens: Sequence[int]) -> Prompt:
+        return Prompt(check_ids("onnx", tokens, self._vocab))
+
+    features = frozenset({"logprobs", "top", "echo", "tokens"})  # backends/logprobs.py
+
+    def prompt_logprobs(self, prompt: Prompt, top: int) -> list[TokenLogprob]:
+        """A fresh prefill in the kept Generator (logprobs.onnx_prompt): its rows then
+        serve the reply that follows as a previous call's prompt's would."""
+        import numpy as np
+
+        tokens = np.asarray(prompt.tokens, dtype=np.int32)
+        self._take_over()
+        with self._lock:
+            if self._broken:
+                self._drop_generator()
+            generator = self._generator(len(tokens) + 1)
+            self._cached = _NOTHING
+            try:
+                generator.rewind_to(0)
+                out = onnx_prompt(generator, tokens, self._scorer, top, self._logits)
+            except Exception:
+                self._drop_generator()  # its state is unknown now: the next call makes one
+                raise
+            self._cached = tokens if len(tokens) % ROW_TILE != 1 else tokens[:-1]
+        return out
 
     # -- constrained decoding (llguidance through get_logits/set_logits) ----------------
 
@@ -329,7 +362,9 @@ class OnnxGenAISession(Session):
         stats.prefill_seconds = t1 - t0
         # plain greedy: the kept Generator's own search (greedy, no penalty) picks the
         # token, as the engine's loop does; anything else reads the logits
-        engine_picks = sampler.plain and mask is None
+        entries, top = stats.logprobs, sampling.logprobs or 0  # None: not asked
+        engine_picks = sampler.plain and mask is None and entries is None
+        raw = None
         t_first = t_last = 0.0
         reply: list[int] = []  # the tokens the Generator holds after the prompt
         healthy = True
@@ -343,9 +378,13 @@ class OnnxGenAISession(Session):
                     else:
                         scores = generator.get_logits().reshape(-1)  # a copy, ours to change
                 if not engine_picks:
+                    if entries is not None:  # the raw logits: the penalty and mask change them
+                        raw = scores.copy() if mask is not None or sampler.seen else scores
                     if mask is not None:  # first: the filters then see allowed tokens only
                         scores = mask.apply(scores)
                     token = sampler.choose(scores)
+                    if entries is not None:
+                        entries.append(self._scorer.entry(raw, token, top))
                 t_last = time.perf_counter()
                 if not t_first:
                     t_first = t_last

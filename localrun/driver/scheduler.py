@@ -123,6 +123,10 @@ class Driver:
             assert session is not None
             gen.prepare(session, self.defaults)
             assert gen.prompt is not None and gen.sampling is not None
+            if not gen.sampling.max_tokens:  # echo alone: the prompt is scored, no reply
+                gen.stats.finish_reason = "length"
+                yield from gen.finish(None)
+                return
             finish: FinishReason | None = None
             cancel = gen.cancel
             pieces = session.generate(gen.prompt, gen.sampling, cancel, gen.stats)
@@ -453,6 +457,10 @@ class Driver:
             _send(gen, e)
             return
         assert gen.prompt is not None and gen.sampling is not None
+        if not gen.sampling.max_tokens:  # echo alone: the prompt is scored, no reply
+            gen.stats.finish_reason = "length"
+            _send(gen, None)
+            return
         try:
             batcher.add(gen.key, gen.prompt, gen.sampling, gen.stats)
         except Exception as e:

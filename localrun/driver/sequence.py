@@ -11,13 +11,15 @@ alone or in a batch, is :mod:`localrun.driver.scheduler`'s business.
 
 from __future__ import annotations
 
+import numbers
 import queue
 import secrets
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from localrun.backends import logprobs as logprob_math
 from localrun.backends.base import GenerationStats, Prompt, Session
 from localrun.errors import (
     ContextOverflowError,
@@ -44,6 +46,7 @@ from localrun.types import (
     Message,
     Sampling,
     Timings,
+    TokenLogprob,
     Usage,
 )
 
@@ -62,6 +65,7 @@ class Request:
     text: str | None
     sampling: Sampling
     structured: StructuredRequest | None = None
+    tokens: tuple[int, ...] | None = None  # a raw prompt given as token ids (then no text)
 
     def __post_init__(self) -> None:
         # Every call's text passes here (stream, chat, complete, batch): a lone surrogate
@@ -71,6 +75,20 @@ class Request:
             check_text(self.text, "the prompt")
         for i, m in enumerate(self.messages or ()):
             check_text(m, f"message {i}")
+
+
+def token_ids(value: object) -> tuple[int, ...] | None:
+    """A raw prompt given as token ids (a list, tuple or array of integers), or None when
+    ``value`` is not one."""
+    if isinstance(value, (str, bytes, Mapping)):
+        return None
+    if hasattr(value, "tolist"):  # a numpy array
+        value = value.tolist()
+    if not isinstance(value, Sequence):
+        return None
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value):
+        return None
+    return tuple(int(t) for t in value)
 
 
 def check_text(value: object, where: str) -> None:
@@ -109,13 +127,16 @@ class Outcome:
 
 
 def completion_of(text: str, finish: FinishReason, usage: Usage, timings: Timings,
-                  outcome: Outcome | None) -> Completion:
+                  outcome: Outcome | None, logprobs: tuple[TokenLogprob, ...] | None = None,
+                  prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> Completion:
     """The Completion of a reply, with what structured output made of it."""
     if outcome is None:
-        return Completion(text, finish, usage, timings)
+        return Completion(text, finish, usage, timings, logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs)
     if outcome.tool_calls:
         text = text.strip()  # what surrounded the calls (newlines between blocks)
-    completion = Completion(text, finish, usage, timings, outcome.tool_calls, outcome.parsed)
+    completion = Completion(text, finish, usage, timings, outcome.tool_calls, outcome.parsed,
+                            logprobs, prompt_logprobs)
     if isinstance(outcome.error, IncompleteOutputError):
         outcome.error.completion = completion
     return completion
@@ -139,9 +160,12 @@ def timings_of(stats: GenerationStats, n_prompt: int, t0: float, t_first: float,
 
 
 def encode_prompt(session: Session, messages: list[Message] | None, text: str | None,
-                  plan: ChatPlan | None) -> Prompt:
+                  plan: ChatPlan | None, tokens: Sequence[int] | None = None) -> Prompt:
     """The prompt tokens of one request: the engine's own chat rendering, or localrun's
-    (a conversation with tools), plus the assistant-turn prefill of a forced call."""
+    (a conversation with tools), plus the assistant-turn prefill of a forced call; or
+    the caller's own token ids, as they are."""
+    if tokens is not None:
+        return session.encode_ids(tokens)
     if messages is None:
         return session.encode_text(text or "")
     if plan is None:
@@ -199,8 +223,8 @@ class Generation:
     consumer's thread (they may be the same), or on the engine thread when ``eager``."""
 
     __slots__ = ("cancel", "completion", "eager", "ended", "first", "halted", "hit", "key",
-                 "matcher", "outcome", "parts", "processor", "prompt", "request", "sampling",
-                 "sink", "stats", "t0", "tokens")
+                 "lp_sent", "matcher", "outcome", "parts", "processor", "prompt",
+                 "prompt_logprobs", "request", "sampling", "sink", "stats", "t0", "tokens")
 
     def __init__(self, request: Request, cancel: CancelToken, sink: Sink | None = None,
                  key: int = 0, eager: bool = False) -> None:
@@ -225,6 +249,8 @@ class Generation:
         self.halted = False  # the consumer stopped it (stop string, closed stream)
         self.tokens: int | None = None  # completion tokens when the consumer stopped it
         self.completion: Completion | None = None
+        self.lp_sent = 0  # stats.logprobs entries already put on a chunk
+        self.prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # echo
 
     # -- engine side ----------------------------------------------------------------
 
@@ -233,14 +259,22 @@ class Generation:
         self.t0 = time.perf_counter()
         req = self.request
         sampling = resolve(req.sampling, defaults)
+        if sampling.echo and req.messages is not None:
+            raise LocalrunError("echo=True takes a raw prompt, not a conversation",
+                                hint="use Model.complete(prompt, echo=True)")
+        logprob_math.check(session, sampling, req.tokens is not None)
         plan = structured_plan(session, req.messages, req.structured)
-        prompt = encode_prompt(session, req.messages, req.text, plan)
+        prompt = encode_prompt(session, req.messages, req.text, plan, req.tokens)
         n_prompt = len(prompt.tokens)
         ctx = session.info.context_length
         if n_prompt >= ctx:
             raise ContextOverflowError(n_prompt, ctx,
                                        trained_context=session.info.trained_context_length)
         self.sampling = limited(constrained(session, sampling, plan), ctx - n_prompt)
+        if sampling.echo:  # the prompt scored now, before anything is generated
+            self.prompt_logprobs = tuple(session.prompt_logprobs(prompt, sampling.logprobs or 0))
+        if sampling.logprobs is not None:
+            self.stats.logprobs = []  # the engine's entries, one per token it chooses
         self.prompt = prompt
         if plan is not None and req.structured is not None:
             self.processor = OutputProcessor(plan)
@@ -260,12 +294,25 @@ class Generation:
             self.first = time.perf_counter()
         out, hit = self.matcher.feed(piece)
         chunks = self._emit(out) if out else []
+        if self.stats.logprobs is not None and chunks:
+            self._attach(chunks, self.stats.completion_tokens if tokens is None else tokens)
         if hit:
             self.hit = True
             self.halted = True
             if tokens is not None:
                 self.tokens = tokens
         return chunks
+
+    def _attach(self, chunks: list[Chunk], upto: int) -> None:
+        """Put the entries of the tokens up to ``upto`` not on a chunk yet on the first of
+        ``chunks`` (text held back for a stop string, or by structured output, takes its
+        tokens' entries to the next chunk)."""
+        entries = self.stats.logprobs
+        assert entries is not None
+        upto = min(upto, len(entries))
+        if upto > self.lp_sent:
+            chunks[0] = replace(chunks[0], logprobs=tuple(entries[self.lp_sent:upto]))
+            self.lp_sent = upto
 
     def _emit(self, text: str) -> list[Chunk]:
         if self.processor is None:
@@ -286,9 +333,11 @@ class Generation:
             self.completion = NOT_STARTED
             return [Chunk("", finish_reason="cancelled", usage=Usage(0, 0), timings=Timings())]
         chunks: list[Chunk] = []
+        engine_eos = False  # the engine ended it on an end-of-sequence token
         if reason is None:
             reason = "cancelled" if self.cancel.cancelled else \
                 (self.stats.finish_reason or "length")
+            engine_eos = reason == "stop"
             rest = self.matcher.flush()
             if rest:
                 chunks += self._emit(rest)
@@ -306,9 +355,14 @@ class Generation:
         done = self.tokens if self.tokens is not None else self.stats.completion_tokens
         usage = Usage(n_prompt, done)
         timings = timings_of(self.stats, n_prompt, self.t0, self.first, time.perf_counter())
+        logprobs = None
+        if self.stats.logprobs is not None:
+            # one entry per token counted, and the end-of-sequence token's (module types)
+            logprobs = tuple(self.stats.logprobs[:done + int(engine_eos)])
         self.completion = completion_of("".join(self.parts), reason, usage, timings,
-                                        self.outcome)
-        chunks.append(Chunk("", finish_reason=reason, usage=usage, timings=timings))
+                                        self.outcome, logprobs, self.prompt_logprobs)
+        chunks.append(Chunk("", finish_reason=reason, usage=usage, timings=timings,
+                            logprobs=logprobs[self.lp_sent:] if logprobs else ()))
         return chunks
 
     def result(self) -> Completion | LocalrunError:
