@@ -296,6 +296,8 @@ class Generation:
         chunks = self._emit(out) if out else []
         if self.stats.logprobs is not None and chunks:
             self._attach(chunks, self.stats.completion_tokens if tokens is None else tokens)
+        if self.processor is not None and self.processor.runaway is not None:
+            hit = True  # a JSON value ran away: ended here, as by a stop string
         if hit:
             self.hit = True
             self.halted = True

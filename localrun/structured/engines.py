@@ -26,8 +26,11 @@ same llguidance version and JSON layout serve llama.cpp, MLX and ONNX alike
 (measured here: about 85 vs 105 tok/s constrained, both faster than unconstrained
 sampling over the whole vocabulary). Every schema is checked with llguidance before an
 engine sees it, OpenVINO included: XGrammar silently ignores some keywords llguidance
-refuses (``uniqueItems``), and refuses some llguidance takes (``minProperties`` beyond
-the listed properties): those raise :class:`UnsupportedSchemaError` naming OpenVINO.
+refuses (``uniqueItems``; it also ignores ``multipleOf``, seen with 2026.4), and refuses
+some llguidance takes (a ``pattern`` with ``\\p{L}``): those raise
+:class:`UnsupportedSchemaError` naming OpenVINO. (It refused ``minProperties`` on a
+free-form object too, until localrun gave such objects a bounded
+``additionalProperties``: :mod:`localrun.structured.bounds`.)
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from localrun.errors import ConstrainedDecodingUnavailableError, UnsupportedSchemaError
+from localrun.structured.bounds import bounded_schema
 from localrun.structured.constraint import Constraint
 from localrun.structured.grammar import GrammarCompiler, TokenMask
 
@@ -271,18 +275,21 @@ def openvino_structured_config(og: Any, constraint: Constraint) -> Any | None:
         version = getattr(og, "__version__", None) or "this version"
         raise ConstrainedDecodingUnavailableError(
             "OpenVINO GenAI", f"{version} has no StructuredOutputConfig", hint=OPENVINO_HINT)
-    schema = constraint.schema_dict
+    # numbers bounded as on llguidance; their fraction digits are the layout's
+    # (OV_FRACTION), which XGrammar's own number grammar would leave open
+    schema = bounded_schema(constraint.schema_dict, decimals=False)
+    text = json.dumps(schema, ensure_ascii=False)
     layout = openvino_layout(so, schema) if hasattr(so, "Concat") else None
     tag = constraint.tag
     if tag is None:
         if layout is None or isinstance(layout, so.JSONSchema):
-            return so(json_schema=constraint.schema)
+            return so(json_schema=text)
         return so(structural_tags_config=layout)
     triggered = getattr(so, "TriggeredTags", None)
     if triggered is None:
         return None  # "auto" only may constrain: this version parses the calls as written
     item = so.Tag(begin=tag.trigger + tag.begin,
-                  content=layout if layout is not None else so.JSONSchema(constraint.schema),
+                  content=layout if layout is not None else so.JSONSchema(text),
                   end=tag.end)
     return so(structural_tags_config=triggered(triggers=[tag.trigger], tags=[item],
                                                at_least_one=False, stop_after_first=False))

@@ -14,7 +14,11 @@ cannot enforce (``uniqueItems``, ``contains``, ``not``, ``if``/``then``,
 token is generated, on every engine.
 
 JSON is generated compact, ``{"a": 1, "b": [2, 3]}``: no free whitespace, so that a
-sampled reply cannot wander off into newlines (a small model at temperature 1 does).
+sampled reply cannot wander off into newlines (a small model at temperature 1 does); the
+only blanks between tokens are the one space of ``", "`` and ``": "``. Every number is
+bounded before the schema becomes a grammar (:func:`~localrun.structured.bounds.
+bounded_schema`: int64 integers, decimals of at most 9 fraction digits, the schema's own
+bounds kept), so no value of the grammar is longer than the schema's strings allow.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from localrun.errors import (
     GenerationError,
     UnsupportedSchemaError,
 )
+from localrun.structured.bounds import bounded_schema
 from localrun.structured.constraint import Constraint
 
 if TYPE_CHECKING:
@@ -56,10 +61,12 @@ def llguidance() -> Any:
 
 
 def json_grammar(schema: dict[str, Any]) -> str:
-    """The llguidance grammar (its JSON form) for one JSON value of ``schema``."""
+    """The llguidance grammar (its JSON form) for one JSON value of ``schema``, its
+    numbers bounded (:func:`~localrun.structured.bounds.bounded_schema`)."""
     llg = llguidance()
     try:
-        grammar: str = llg.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        grammar: str = llg.LLMatcher.grammar_from_json_schema(bounded_schema(schema),
+                                                              overrides=JSON_OPTIONS)
     except ValueError as e:
         raise UnsupportedSchemaError("the schema", str(e)) from e
     return grammar
@@ -104,7 +111,7 @@ def constraint_grammar(constraint: Constraint, tokenizer: LLTokenizer | None = N
     tag = constraint.tag
     if tag is None:
         return json_grammar(schema)
-    schema = {**schema, "x-guidance": JSON_OPTIONS}
+    schema = {**bounded_schema(schema), "x-guidance": JSON_OPTIONS}
     body = " ".join(p for p in (_lark_text(tag.begin), "%json " + json.dumps(schema),
                                 _lark_text(tag.end)) if p)
     special = special_token(tokenizer, tag.trigger) if tokenizer is not None else None

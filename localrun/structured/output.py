@@ -7,7 +7,10 @@
    assistant turn is pre-filled with (a forced call's opening marker) and the
    :class:`Constraint` the engine enforces.
 3. :class:`OutputProcessor` turns the engine's text into content, tool-call deltas,
-   and at the end the Completion's ``tool_calls``/``parsed``.
+   and at the end the Completion's ``tool_calls``/``parsed``. It watches each JSON value
+   as it streams (:class:`~localrun.structured.watch.JsonWatch`): one that runs away (a
+   looping string) ends the reply, and the call raises
+   :class:`~localrun.structured.watch.RunawayOutputError` naming the field.
 
 Combinations: a schema with ``tools`` needs ``tool_choice="none"`` (the reply is then the
 schema's JSON, the tools only describe earlier turns); "auto"/"required"/named with a
@@ -36,6 +39,7 @@ from localrun.structured.formats import (
 from localrun.structured.functions import Tool, normalize_tool_choice, normalize_tools
 from localrun.structured.parsers import ToolCallParser
 from localrun.structured.schema import OutputSpec, output_spec
+from localrun.structured.watch import JsonWatch, Runaway, RunawayOutputError
 
 
 @dataclass(frozen=True)
@@ -143,11 +147,17 @@ class Result:
 
 @dataclass
 class OutputProcessor:
-    """Engine text in; content, tool-call deltas and the final Result out."""
+    """Engine text in; content, tool-call deltas and the final Result out.
+
+    ``runaway`` is set once a JSON value (the reply's, or a tool call's arguments) ran
+    away; the driver then ends the reply as it does at a stop string.
+    """
 
     plan: ChatPlan
+    runaway: Runaway | None = field(default=None, init=False)
     _parser: ToolCallParser | None = field(default=None, init=False)
     _text: list[str] = field(default_factory=list, init=False)
+    _watches: dict[int, JsonWatch] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         fmt, req = self.plan.fmt, self.plan.request
@@ -165,17 +175,42 @@ class OutputProcessor:
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         if self._parser is None:
             self._text.append(text)
+            if self.plan.constraint is not None:
+                self._watch(0, text)
             return text, []
-        return self._parser.feed(text)
+        content, deltas = self._parser.feed(text)
+        self._watch_calls(deltas)
+        return content, deltas
+
+    def _watch(self, index: int, text: str) -> None:
+        watch = self._watches.get(index)
+        if watch is None:
+            watch = self._watches[index] = JsonWatch()
+        found = watch.feed(text)
+        if found is not None and self.runaway is None:
+            where = found.path if self._parser is None else \
+                f"tool_calls[{index}].arguments{found.path[1:]}"
+            self.runaway = Runaway(where, found.detail)
+
+    def _watch_calls(self, deltas: list[ToolCallDelta]) -> None:
+        for d in deltas:
+            if d.arguments:
+                self._watch(d.index, d.arguments)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         if self._parser is None:
             return "", []
-        return self._parser.finish()
+        content, deltas = self._parser.finish()
+        self._watch_calls(deltas)
+        return content, deltas
 
     def result(self, finish_reason: str) -> Result:
         """Call after :meth:`finish`: the calls, the parsed object, and any error."""
         req = self.plan.request
+        if self.runaway is not None:
+            return Result(error=RunawayOutputError(None, self.runaway.path,
+                                                   self.runaway.detail),
+                          finish_reason="length")
         if self._parser is not None:
             calls = tuple(self._parser.calls)
             if calls:
