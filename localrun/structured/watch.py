@@ -41,9 +41,12 @@ MAX_BLANKS = 40
 #: The end of a string that is searched for a cycle (the longest span find_cycle
 #: compares: MAX_PERIOD characters, 8 times).
 WINDOW = MAX_PERIOD * 8
-#: A string is searched again once it has grown by this many characters: a loop is
-#: caught a few tokens later, and a long string costs one search per ~8 tokens.
-CHECK_EVERY = 32
+#: A string is searched again once it has grown by this many characters (a loop is
+#: caught a few tokens later)...
+CHECK_EVERY = 16
+#: ...and only when its last PROBE characters occur again within MAX_PERIOD before (one
+#: C-level search; every loop passes it, ordinary text almost never).
+PROBE = 16
 
 _BLANKS = frozenset(" \t\n\r")
 _NUMBER = frozenset("0123456789+-.eE")
@@ -158,21 +161,24 @@ class JsonWatch:
         start = i
         n = len(text)
         while i < n:
-            ch = text[i]
             if self._escape:
                 self._escape = False
-            elif ch == "\\":
+                i += 1
+                continue
+            q, b = text.find('"', i), text.find("\\", i)
+            if b >= 0 and (q < 0 or b < q):  # an escape: skip it and what it escapes
                 self._escape = True
-            elif ch == '"':
-                break
-            i += 1
+                i = b + 1
+                continue
+            i = q if q >= 0 else n
+            break
         chunk = text[start:i]
         if chunk:
             self._tail = (self._tail + chunk)[-WINDOW:]
             self._length += len(chunk)
             if self._length >= MIN_CHARS and self._length - self._checked >= CHECK_EVERY:
                 self._checked = self._length
-                cycle = find_cycle(self._tail)
+                cycle = find_cycle(self._tail) if self._recurs() else None
                 if cycle is not None:
                     unit = cycle.unit if len(cycle.unit) <= 40 else cycle.unit[:37] + "..."
                     what = "key" if self._is_key else "string"
@@ -184,6 +190,14 @@ class JsonWatch:
                 self._stack[-1].key = _unescape(self._tail)
             return i + 1
         return i
+
+    def _recurs(self) -> bool:
+        """Whether the string's last PROBE characters occur in the MAX_PERIOD before them:
+        a cycle of period p (p <= MAX_PERIOD, its repeats at least p + PROBE long) puts
+        them p characters back."""
+        tail = self._tail
+        n = len(tail)
+        return tail.find(tail[n - PROBE:], max(0, n - PROBE - MAX_PERIOD), n - 1) >= 0
 
     def _stop(self, detail: str) -> Runaway:
         self.runaway = Runaway(self.path(), detail)
