@@ -10,7 +10,9 @@ import typer
 
 from localrun.cli import options as o
 from localrun.server.config import (
+    DEFAULT_BODY_TIMEOUT,
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_PORT,
@@ -73,6 +75,22 @@ def serve(
     max_request_mb: Annotated[float, typer.Option(
         "--max-request-mb", help="Largest request body, in MiB; larger ones get 413.")]
     = DEFAULT_MAX_REQUEST_BYTES / 2**20,
+    header_timeout: Annotated[float, typer.Option(
+        "--header-timeout", help="Seconds a client has to send a request's headers, from "
+        "connecting (or from the first byte of its next request); then it is closed.")]
+    = DEFAULT_HEADER_TIMEOUT,
+    body_timeout: Annotated[float, typer.Option(
+        "--body-timeout", help="Seconds a request body has to arrive, plus 1 s per KiB "
+        "received; a slower one gets 408 and is closed.")] = DEFAULT_BODY_TIMEOUT,
+    max_connections: Annotated[int | None, typer.Option(
+        "--max-connections", help="Connections open at once. At the cap, the oldest idle "
+        "one of the client holding the most is closed, else the new one gets 503. Default: "
+        "sized from the open-file limit (ulimit -n), at most 1024.", show_default=False)]
+    = None,
+    max_connections_per_client: Annotated[int | None, typer.Option(
+        "--max-connections-per-client", help="Connections one client address may hold "
+        "(its oldest idle one is closed for a new one, else 429). Default: half of "
+        "--max-connections.", show_default=False)] = None,
     max_memory: Annotated[float | None, typer.Option(
         "--max-memory", help="GiB all loaded models may take together (default: the "
         "machine's available memory). Past it, idle models unload, least recently used "
@@ -126,6 +144,8 @@ def serve(
         allow_pull=allow_pull, allow_local_paths=allow_local_paths,
         request_timeout=request_timeout if request_timeout > 0 else None,
         drain_timeout=max(0.0, drain_timeout), max_request_bytes=int(max_request_mb * 2**20),
+        header_timeout=header_timeout, body_timeout=body_timeout,
+        max_connections=max_connections, max_connections_per_client=max_connections_per_client,
         max_memory=int(max_memory * 2**30) if max_memory is not None else None,
         insecure=insecure, backend=loading.backend, context=loading.context,
         allow_unoptimized=loading.allow_unoptimized)
@@ -135,11 +155,12 @@ def serve(
     _setup_logging()
     manager = ModelManager(config, Metrics())
     loaded = manager.preload(config.models, load=loading.load)
-    sys.stderr.write(banner(config, loaded))
-    sys.stderr.flush()
     app = create_app(config, manager=manager)
     tune_process()
-    make_server(app, config).run(sockets=[sock])
+    server = make_server(app, config)  # its caps sized from the limits tune_process set
+    sys.stderr.write(banner(config, loaded))
+    sys.stderr.flush()
+    server.run(sockets=[sock])
     sys.stderr.write("localrun serve stopped\n")
 
 

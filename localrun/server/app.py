@@ -23,12 +23,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from localrun import __version__
 from localrun.errors import LocalrunError
-from localrun.server import ollama_api, openai_api, policy
+from localrun.server import limits, ollama_api, openai_api, policy
 from localrun.server.config import ServerConfig
 from localrun.server.errors import APIError
+from localrun.server.jobs import stop_all
 from localrun.server.manager import ModelManager
 from localrun.server.metrics import Metrics
 from localrun.server.state import ServerState, to_api_error
@@ -248,6 +250,8 @@ class GuardMiddleware(_HTTPMiddleware):
             await self.app(scope, receive, tracked)
         except asyncio.CancelledError:
             raise
+        except ClientDisconnect:  # gone while sending its body (or cut for its slowness)
+            return
         except Exception as exc:
             if started:
                 log.error("error after the response began: %s: %s", type(exc).__name__, exc,
@@ -342,7 +346,7 @@ _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/mode
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before anything prints (a busy port is one line)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = limits.Listener(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host.strip("[]"), port))
@@ -362,8 +366,36 @@ def bind(host: str, port: int) -> socket.socket:
 
 class Server(uvicorn.Server):
     """uvicorn's server, draining on SIGTERM/SIGINT: it stops accepting, finishes what
-    is in flight for up to ``--drain-timeout`` seconds (then cancels the rest), unloads
-    the models and returns — exit status 0, not the re-raised signal."""
+    is in flight for up to ``--drain-timeout`` seconds, then ends what still runs with an
+    error in its API's format (a stream: its last event), unloads the models and
+    returns — exit status 0, not the re-raised signal. Its connections go through
+    ``gate`` (:mod:`localrun.server.limits`)."""
+
+    def __init__(self, config: uvicorn.Config, gate: limits.Gate, drain_timeout: float
+                 ) -> None:
+        super().__init__(config)
+        self.gate = gate
+        self.drain_timeout = drain_timeout
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(limits.exception_handler(self.gate))
+        await super().startup(sockets=sockets)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        expire = asyncio.get_running_loop().call_later(self.drain_timeout, self._drain_over)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            expire.cancel()
+            self.gate.logs.flush_all()  # what the throttled lines still held back
+
+    def _drain_over(self) -> None:
+        n = stop_all(APIError(
+            503, f"The server is stopping and its --drain-timeout ({self.drain_timeout:g} s) "
+            "is over: this request was stopped", code="server_stopping"))
+        if n:
+            log.warning(f"--drain-timeout {self.drain_timeout:g} s over: ended {n} "
+                        f"request{'s' * (n > 1)} still running, with an error")
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -383,12 +415,23 @@ def tune_process() -> None:
     """Process settings for serving: hand the GIL over every 1 ms instead of 5 ms. An
     engine whose token loop holds the GIL (ONNX Runtime GenAI's, MLX's) otherwise makes
     the event loop wait up to 5 ms at each hand-over before a token reaches the client
-    (measured here: ONNX TTFT +20 ms served vs in process)."""
+    (measured here: ONNX TTFT +20 ms served vs in process). And the open-file limit up to
+    4096 where allowed (macOS starts at 256): the connection caps are sized from it."""
     sys.setswitchinterval(0.001)
+    limits.raise_fd_limit()
+
+
+#: seconds uvicorn waits past --drain-timeout for the error events to go out, before
+#: it cancels what is left
+DRAIN_GRACE = 2
 
 
 def make_server(app: FastAPI, config: ServerConfig) -> Server:
+    """The server for ``app``: connections capped and request reading timed (a
+    LocalrunError if --max-connections is more than the open-file limit allows)."""
+    gate = limits.Gate(limits.resolve(config))
     uv = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                        timeout_graceful_shutdown=math.ceil(config.drain_timeout),
+                        http=limits.protocol_class(gate), ws="none",
+                        timeout_graceful_shutdown=math.ceil(config.drain_timeout) + DRAIN_GRACE,
                         server_header=False, timeout_keep_alive=5)
-    return Server(uv)
+    return Server(uv, gate, config.drain_timeout)

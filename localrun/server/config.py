@@ -19,6 +19,10 @@ DEFAULT_MAX_QUEUE = 64
 DEFAULT_REQUEST_TIMEOUT = 600.0
 DEFAULT_DRAIN_TIMEOUT = 30.0
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+#: Seconds a client has to send a request's headers (Apache's mod_reqtimeout: 20-40).
+DEFAULT_HEADER_TIMEOUT = 20.0
+#: Seconds a request body has to arrive, plus 1 s per KiB (limits.MIN_BODY_RATE).
+DEFAULT_BODY_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,14 @@ class ServerConfig:
     request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT  # None: no limit
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    #: request headers due this long after connecting (or after a request's first byte)
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    #: a request body's time, plus 1 s per KiB it has sent (see localrun.server.limits)
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    #: connections open at once, in all and per client address (None: sized from the
+    #: process's open-file limit, see localrun.server.limits.resolve)
+    max_connections: int | None = None
+    max_connections_per_client: int | None = None
     #: bytes all loaded models may take together (None: the machine's available memory)
     max_memory: int | None = None
     insecure: bool = False
@@ -66,6 +78,17 @@ class ServerConfig:
         if self.max_request_bytes < 1024:
             raise LocalrunError(f"Invalid request size limit {self.max_request_bytes} bytes",
                                 hint="pass --max-request-mb 1 or more")
+        for flag, seconds in (("--header-timeout", self.header_timeout),
+                              ("--body-timeout", self.body_timeout)):
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise LocalrunError(f"Invalid {flag} {seconds:g}",
+                                    hint=f"pass {flag} in seconds, more than 0 (e.g. 20)")
+        for flag, count in (("--max-connections", self.max_connections),
+                            ("--max-connections-per-client", self.max_connections_per_client)):
+            if count is not None and count < 1:
+                raise LocalrunError(f"Invalid {flag} {count}",
+                                    hint=f"pass {flag} 1 or more, or leave it out (then it "
+                                    "is sized from the open-file limit)")
         if self.api_key is not None and not self.api_key.strip():
             raise LocalrunError("The API key is empty",
                                 hint="pass --api-key with a non-empty value, or leave it out")

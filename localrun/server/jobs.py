@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ from localrun.server.state import state_of, to_api_error
 from localrun.types import CancelToken, Chunk, Completion
 
 EventKind = Literal["chunk", "done", "error"]
+
+#: the jobs open on each event loop (a server's), for :func:`stop_all`
+_open: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, set[Job]] = \
+    weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,8 @@ class Job:
         self._closed = False
         self._ran: Any = None  # the worker's own Completion, even when nobody read it
         self.started_at = 0.0  # time.monotonic() when the worker started
+        self.stopped: APIError | None = None  # why the server ended it (:meth:`stop`)
+        _open.setdefault(self._loop, set()).add(self)
 
     @classmethod
     async def open(cls, request: Any, endpoint: str, model: str, *,
@@ -109,6 +116,8 @@ class Job:
                                          abort=job.gone)
         except BaseException:
             job.close()
+            if job.stopped is not None:  # the server stopped it while it waited
+                raise job.stopped from None
             raise
         return job
 
@@ -287,11 +296,24 @@ class Job:
         self.gone.set()  # gives up the place in the queue
         self.token.cancel()  # the engine stops at its next token
 
+    def stop(self, error: APIError) -> None:
+        """End this job with ``error`` (the server is stopping): a stream writes it as
+        its last event, in its API's format; an answer not begun is ``error``."""
+        if self._closed or self.stopped is not None:
+            return
+        self.stopped = error
+        self.token.cancel()  # the engine stops at its next token
+        self.gone.set()  # a wait for the model gives up (open() raises ``error``)
+        self.queue.put_nowait(Event("error", error=error))
+
     def close(self) -> None:
         """Stop watching; cancel a run nobody will read; count the request."""
         if self._closed:
             return
         self._closed = True
+        jobs = _open.get(self._loop)
+        if jobs is not None:
+            jobs.discard(self)
         self._watcher.cancel()
         if self._thread is None:
             if self.lease is not None:
@@ -329,3 +351,13 @@ class Job:
                 note.prompt_tokens = c.tokens
                 self.metrics.prompt_tokens.labels(model=name).inc(c.tokens)
             note.queued = self.lease.queued_seconds
+
+
+def stop_all(error: APIError) -> int:
+    """End every job open on this event loop with ``error`` (:meth:`Job.stop`): how a
+    server whose drain time is up ends the streams still running, with an error event
+    rather than a cut. Returns how many there were."""
+    jobs = list(_open.get(asyncio.get_running_loop(), ()))
+    for job in jobs:
+        job.stop(error)
+    return len(jobs)
