@@ -66,6 +66,11 @@ def _message(path: str, body: bytes) -> str:
 
 # -- item 2: forged requests --------------------------------------------------------------
 
+#: What a browser adds to a page's cross-site form post, less the Origin (which older
+#: browsers left out of form posts, and which the Origin check refuses on its own).
+BROWSER = {"User-Agent": "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 Chrome/131.0",
+           "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"}
+
 @requires_llama
 def test_posts_that_are_not_json_get_415_and_start_nothing(monkeypatch: pytest.MonkeyPatch,
                                                            tmp_path: Path) -> None:
@@ -86,11 +91,15 @@ def test_posts_that_are_not_json_get_415_and_start_nothing(monkeypatch: pytest.M
                 payload = json.dumps(body).encode()
                 for ctype in ("text/plain", "application/x-www-form-urlencoded",
                               "multipart/form-data; boundary=x", None):
-                    headers = {"Content-Type": ctype} if ctype else {}
-                    status, _, raw = _raw(s.url, "POST", route, payload, headers)
-                    assert status == 415, (route, ctype, raw)
-                    msg = _message(route, raw)
-                    assert "application/json" in msg and (ctype or "missing") in msg
+                    # as a browser sends it (no Origin: old browsers' form posts), and
+                    # with no User-Agent at all
+                    for extra in (BROWSER, {}):
+                        headers = {"Content-Type": ctype} if ctype else {}
+                        status, _, raw = _raw(s.url, "POST", route, payload,
+                                              {**headers, **extra})
+                        assert status == 415, (route, ctype, extra, raw)
+                        msg = _message(route, raw)
+                        assert "application/json" in msg and (ctype or "missing") in msg
             assert fake.hub.requests == []  # nothing planned, nothing downloaded
             assert s.manager.models == {}  # nothing loaded
             # JSON with parameters is JSON (what clients send)
@@ -456,3 +465,25 @@ def test_banner_says_what_is_open() -> None:
     keyed = banner(ServerConfig(api_key="k"), [])
     assert "download models: on (API key set)" in keyed
     assert "load local paths: on (API key set)" in keyed
+
+
+@requires_llama
+def test_curl_d_and_headerless_scripts_still_post_json(srv: Running) -> None:
+    """``curl URL -d '{…}'`` (Ollama's documented examples) sends a form Content-Type and
+    a script posting a JSON string may send none: from a client that is not a browser
+    (no Origin, Referer or Sec-Fetch-*, no browser User-Agent, none of which a page can
+    forge without a preflight) the body is read as JSON. The same post with any one
+    browser mark is refused."""
+    body = json.dumps({"model": MODEL, "prompt": "1, 2, 3,", "stream": False,
+                       "options": {"num_predict": 2, "temperature": 0}}).encode()
+    curl = {"User-Agent": "curl/8.5.0", "Content-Type": "application/x-www-form-urlencoded"}
+    status, _, raw = _raw(srv.url, "POST", "/api/generate", body, curl)
+    assert status == 200, raw
+    assert json.loads(raw)["done"] is True
+    status, _, raw = _raw(srv.url, "POST", "/api/generate", body,
+                          {"User-Agent": "python-requests/2.32"})
+    assert status == 200, raw
+    for mark in ({"Sec-Fetch-Site": "cross-site"}, {"Referer": "https://evil.example/"},
+                 {"User-Agent": BROWSER["User-Agent"]}, {"Content-Type": "text/plain"}):
+        status, _, raw = _raw(srv.url, "POST", "/api/generate", body, {**curl, **mark})
+        assert status == 415, (mark, raw)

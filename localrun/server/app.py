@@ -171,7 +171,8 @@ class BrowserGuardMiddleware(_HTTPMiddleware):
     """What a web page could make a browser send, refused before any work: a ``Host``
     the server does not answer to (DNS rebinding: 403), an ``Origin`` of another site
     not in --cors-origins (403), a POST body that is not JSON (a form or ``text/plain``
-    post needs no preflight: 415). /health answers whatever the Host (probes)."""
+    post needs no preflight: 415; :func:`policy.body_is_json` lets ``curl -d``
+    through). /health answers whatever the Host (probes)."""
 
     def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
         super().__init__(app)
@@ -179,14 +180,19 @@ class BrowserGuardMiddleware(_HTTPMiddleware):
         self.cors = config.cors_origins
 
     async def http(self, scope: Scope, receive: Any, send: Any) -> None:
-        host = origin = ctype = None
+        host = origin = ctype = agent = None
+        browser = False
         for name, value in scope.get("headers", []):
             if name == b"host" and host is None:
                 host = value.decode("latin-1")
-            elif name == b"origin" and origin is None:
-                origin = value.decode("latin-1")
             elif name == b"content-type" and ctype is None:
                 ctype = value.decode("latin-1")
+            elif name == b"user-agent" and agent is None:
+                agent = value.decode("latin-1")
+            elif name in policy.BROWSER_HEADERS:
+                browser = True
+                if name == b"origin" and origin is None:
+                    origin = value.decode("latin-1")
         path = scope.get("path", "")
         error = None
         if path in PUBLIC_PATHS:
@@ -195,7 +201,8 @@ class BrowserGuardMiddleware(_HTTPMiddleware):
             error = policy.host_refused(host or "", self.hosts)
         elif origin is not None and not policy.origin_allowed(origin, host, self.cors):
             error = policy.origin_refused(origin)
-        elif policy.needs_json(scope.get("method", ""), path) and not policy.is_json(ctype):
+        elif (policy.needs_json(scope.get("method", ""), path)
+              and not policy.body_is_json(ctype, user_agent=agent, browser_headers=browser)):
             error = policy.not_json(ctype)
         if error is not None:
             await _send_error(send, scope, error)

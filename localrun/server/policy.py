@@ -154,6 +154,34 @@ def is_json(content_type: str | None) -> bool:
     return content_type.split(";", 1)[0].strip().lower() == "application/json"
 
 
+#: Request headers a browser adds on its own and a web page cannot remove: a request
+#: with any of them may come from a page the user is visiting.
+BROWSER_HEADERS = frozenset({b"origin", b"referer", b"sec-fetch-site", b"sec-fetch-mode",
+                             b"sec-fetch-dest", b"sec-fetch-user"})
+#: What ``curl -d`` sends (a form type) and what scripts that post a JSON string
+#: without headers send (nothing): accepted as JSON from a client that is not a browser.
+_SCRIPT_TYPES = ("", "application/x-www-form-urlencoded")
+
+
+def body_is_json(content_type: str | None, *, user_agent: str | None,
+                 browser_headers: bool) -> bool:
+    """Whether a POST's body may be read as JSON. ``application/json`` always. A web
+    page can make a browser POST a form, ``text/plain`` or an untyped body to any site
+    without a CORS preflight (the cross-site forgery of Ollama's CVE-2024-28224), so
+    other types are refused, except the two that ``curl -d`` and header-less scripts
+    send, from a client that cannot be a browser: no header only a browser adds (an
+    ``Origin``, ``Sec-Fetch-*``, a ``Referer``) and a ``User-Agent`` that is not a
+    browser's (every browser's starts with ``Mozilla/``, and a page cannot set its own
+    without a preflight). Ollama's documented ``curl … -d '{…}'`` keeps working."""
+    if is_json(content_type):
+        return True
+    base = (content_type or "").split(";", 1)[0].strip().lower()
+    if base not in _SCRIPT_TYPES or browser_headers:
+        return False
+    agent = (user_agent or "").strip().lower()
+    return bool(agent) and not agent.startswith("mozilla/")
+
+
 def needs_json(method: str, path: str) -> bool:
     """The routes that read a JSON body: every POST under /v1 and /api."""
     return method == "POST" and path.startswith(("/v1/", "/api/"))
