@@ -507,10 +507,10 @@ class UnsupportedFeatureError(LocalrunError, ValueError):
         self.option = option  # the option as the caller spelled it: "top_logprobs", "echo"
         self.reason = reason
         self.supported_by = tuple(supported_by)
-        others = ", ".join(b for b in self.supported_by if b != backend)
+        others = " or ".join(repr(b) for b in self.supported_by if b != backend)
         super().__init__(f"{option} is not available on {backend}: {reason}",
-                         hint=f"load the model with an engine that has it ({others})"
-                         if others else f"ask without {option}")
+                         hint=f"ask without {option}, or load the model with "
+                         f"backend={others}" if others else f"ask without {option}")
 
 
 class InvalidToolError(StructuredOutputError):

@@ -59,7 +59,12 @@ FALLBACK = ResolvedSampling(
     stop=(),
 )
 
-SAMPLING_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(Sampling))
+#: What a reply reports beyond its text (log probabilities), set per call like the
+#: sampling options but no command-line flag: the CLI prints text.
+LOGPROB_OPTIONS: tuple[str, ...] = ("logprobs", "top_logprobs", "echo")
+SAMPLING_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(Sampling)
+                                          if f.name not in LOGPROB_OPTIONS)
+_OPTIONS = (*SAMPLING_OPTIONS, *LOGPROB_OPTIONS)
 
 MAX_SEED = 2**32 - 1
 MAX_TOKENS_ALLOWED = "an integer >= 1 (0 only with echo=True: score the prompt alone)"
@@ -137,15 +142,15 @@ def _check(name: str, value: Any) -> Any:
         if not all(isinstance(s, str) and s for s in stops):
             raise InvalidSamplingError(name, value, "non-empty strings")
         return stops
-    raise InvalidSamplingError(name, value, "one of " + ", ".join(SAMPLING_OPTIONS))
+    raise InvalidSamplingError(name, value, "one of " + ", ".join(_OPTIONS))
 
 
 def make_sampling(base: Sampling | None = None, **options: Any) -> Sampling:
     """Build a validated :class:`Sampling` from keyword options (``None`` = unset)."""
     checked: dict[str, Any] = {}
     for name, value in options.items():
-        if name not in SAMPLING_OPTIONS:
-            raise InvalidSamplingError(name, value, "one of " + ", ".join(SAMPLING_OPTIONS))
+        if name not in _OPTIONS:
+            raise InvalidSamplingError(name, value, "one of " + ", ".join(_OPTIONS))
         v = _check(name, value)
         if v is not None:
             checked[name] = v

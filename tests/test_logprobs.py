@@ -210,7 +210,8 @@ def test_an_engine_without_logprobs_refuses_before_generating(
         model.complete("a b", max_tokens=2, **options)
     assert e.value.option == option and e.value.backend == "scripted"
     assert f"{option} is not available on scripted" in str(e.value)
-    assert "llama.cpp, onnx, mlx" in (e.value.hint or "")
+    assert "backend='llama.cpp' or 'onnx' or 'mlx'" in (e.value.hint or "")
+    assert ("'openvino'" in (e.value.hint or "")) == (option == "logprobs")
     assert session.generated == 0
     with pytest.raises(UnsupportedFeatureError, match="token-id prompt"):
         localrun.Model(Scripted([5], features=frozenset())).complete([3, 4], max_tokens=1)
@@ -519,3 +520,47 @@ def test_engine_batch(engine: tuple[Any, float]) -> None:
         assert [e.id for e in b.logprobs] == [e.id for e in a.logprobs]
         assert [e.logprob for e in b.logprobs] == pytest.approx(
             [e.logprob for e in a.logprobs], abs=max(tol, 0.02))
+
+
+# -- OpenVINO GenAI: the chosen token's only ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def openvino() -> Iterator[Any]:
+    if importlib.util.find_spec("openvino_genai") is None:
+        pytest.skip("openvino-genai is not installed (pip install 'localrun[openvino]')")
+    with localrun.load(str(test_model("openvino-int4")), backend="openvino",
+                       context=CONTEXT) as m:
+        if "logprobs" not in m._session.features:
+            pytest.skip(f"OpenVINO GenAI {m.info.engine_version} reports processed "
+                        "logprobs (raw ones from 2026.2)")
+        yield m
+
+
+def test_openvino_reports_the_chosen_tokens_raw_logprob(openvino: Any) -> None:
+    """Its ContinuousBatchingPipeline gives each chosen token's log probability under
+    the raw model (2026.2+): at temperature 0.3 with a repetition penalty the first
+    token's equals the greedy call's (a tempered one would be near 0)."""
+    g = openvino.complete(PROMPT, max_tokens=6, temperature=0, logprobs=True)
+    assert g.logprobs is not None
+    assert len(g.logprobs) == g.usage.completion_tokens + (g.finish_reason == "stop")
+    assert "".join(e.token for e in g.logprobs) == g.text
+    assert all(e.logprob is not None and e.logprob <= 0 and not e.top_logprobs
+               for e in g.logprobs)
+    h = openvino.complete(PROMPT, max_tokens=2, temperature=0.3, seed=1,
+                          repetition_penalty=1.3, logprobs=True)
+    assert h.logprobs is not None and h.logprobs[0].id == g.logprobs[0].id
+    assert h.logprobs[0].logprob == pytest.approx(g.logprobs[0].logprob, abs=1e-4)
+    assert (g.logprobs[0].logprob or 0) < -0.2  # so a tempered value would differ
+
+
+@pytest.mark.parametrize(("prompt", "options", "option"), [
+    (PROMPT, {"top_logprobs": 2}, "top_logprobs"),
+    (PROMPT, {"echo": True}, "echo"),
+    ([1, 2, 3], {}, "a token-id prompt"),
+])
+def test_openvino_refuses_what_it_cannot_report(openvino: Any, prompt: Any,
+                                                options: dict[str, Any], option: str) -> None:
+    with pytest.raises(UnsupportedFeatureError) as e:
+        openvino.complete(prompt, max_tokens=2, **options)
+    assert e.value.option == option and e.value.backend == "openvino"

@@ -1,5 +1,7 @@
 """Log probabilities from an engine's logits: the one place they are computed, for every
-engine that shows its logits (llama.cpp, ONNX Runtime GenAI, MLX).
+engine that shows its logits (llama.cpp, ONNX Runtime GenAI, MLX). OpenVINO GenAI's
+ContinuousBatchingPipeline computes the chosen token's itself (raw from 2026.2: no
+alternatives, no prompt); the other engines have none and refuse before generating.
 
 **Which distribution.** Always the model's own: the log-softmax of the raw logits over
 the whole vocabulary, before the repetition penalty, the temperature, top_k/top_p/min_p
@@ -23,6 +25,7 @@ best alternative's bit for bit exactly when it is the most likely (lm-evaluation
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -59,8 +62,9 @@ def check(session: Session, sampling: ResolvedSampling, token_prompt: bool) -> N
         asks.append(("tokens", "a token-id prompt"))
     for feature, option in asks:
         if feature not in have:
+            engines = (*SUPPORTED_BY, "openvino") if feature == "logprobs" else SUPPORTED_BY
             raise UnsupportedFeatureError(backend, option, _WHY.get((backend, feature), _WHY[
-                ("", feature)]), supported_by=SUPPORTED_BY)
+                ("", feature)]), supported_by=engines)
 
 
 #: Why an engine lacks a feature: (backend, feature), else ("", feature).
@@ -68,7 +72,7 @@ _WHY: dict[tuple[str, str], str] = {
     ("", "logprobs"): "the engine does not show localrun its logits",
     ("", "top"): "the engine does not show localrun its logits",
     ("", "echo"): "the engine does not show localrun the logits of the prompt's tokens",
-    ("", "tokens"): "the engine takes the prompt as text",
+    ("", "tokens"): "localrun passes this engine its prompt as text only",
     ("openvino", "top"): "OpenVINO GenAI reports the chosen token's log probability only",
     ("openvino", "echo"): "OpenVINO GenAI keeps no logits of the prompt's tokens",
     ("onnx", "echo"): "this ONNX model keeps the last position's logits only",
@@ -102,6 +106,12 @@ class Scorer:
     def _top(self, token: int, logprob: float) -> TopLogprob:
         text = self._piece(token)
         return TopLogprob(_text(text), text, token, logprob)
+
+    def given(self, token: int, logprob: float) -> TokenLogprob:
+        """The entry of ``token`` with a logprob the engine computed itself (OpenVINO
+        GenAI: the chosen token's alone)."""
+        text = self._piece(token)
+        return TokenLogprob(_text(text), text, int(token), float(logprob))
 
     def first(self, token: int) -> TokenLogprob:
         """A prompt's first token: nothing before it, no logprob (OpenAI's None)."""
@@ -232,3 +242,18 @@ def onnx_prompt(generator: Any, tokens: Any, scorer: Scorer, top: int, logits: s
                 "position's logits only)", supported_by=SUPPORTED_BY)
         out += scorer.prompt(rows, tokens, start, top)
     return out
+
+
+#: OpenVINO GenAI's first release whose ``generated_log_probs`` are the raw model's
+#: (its sampler keeps the logits as they came and their full-vocabulary log-sum-exp when
+#: ``GenerationConfig.logprobs`` > 0); earlier ones report them after its processors.
+OPENVINO_RAW = (2026, 2)
+
+
+def openvino_features(version: str | None) -> frozenset[str]:
+    """What OpenVINO GenAI's ContinuousBatchingPipeline reports: each chosen token's
+    raw log probability, from :data:`OPENVINO_RAW` on (no alternatives, no prompt)."""
+    parts = re.findall(r"\d+", version or "")
+    release = tuple(int(x) for x in parts[:2])
+    return frozenset({"logprobs"}) if len(release) == 2 and release >= OPENVINO_RAW \
+        else frozenset()

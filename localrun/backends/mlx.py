@@ -324,7 +324,7 @@ class MLXSession(Session):
                 given.append(int(token))
                 if entries is not None:  # before its piece (base.GenerationStats)
                     assert raw is not None
-                    entries.append(self._scorer.entry(raw.row(logprobs), token, top))
+                    entries.append(self._scorer.entry(raw.row(logprobs), int(token), top))
                 if token in eos:
                     reason = "stop"
                     break

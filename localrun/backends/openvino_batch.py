@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from localrun.backends.base import Batcher, GenerationStats, Prompt
+from localrun.backends.logprobs import Scorer, TokenBytes
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
 from localrun.structured.engines import is_openvino_grammar_error, openvino_schema_error
@@ -184,12 +185,18 @@ class ContinuousBatcher(Batcher):
         self._detok = Detokenizer(decode_many)
         self._config = config
         self._active: dict[int, _Sequence] = {}
+        # log probabilities: each token's text decoded alone (an IR folder has no
+        # tokenizer.json), memoized
+        self._scorer = Scorer(TokenBytes(None, lambda t: decode_many([[t]])[0]))
 
     def add(self, key: int, prompt: Prompt, sampling: ResolvedSampling,
             stats: GenerationStats) -> None:
         ids = self._ov.Tensor(self._np.asarray([list(prompt.tokens)], dtype=self._np.int64))
+        config = self._config(sampling)
+        if stats.logprobs is not None:  # the chosen token's, raw (logprobs.OPENVINO_RAW)
+            config.logprobs = 1
         try:
-            handle = self.pipe.add_request(key, ids, self._config(sampling))
+            handle = self.pipe.add_request(key, ids, config)
         except RuntimeError as e:  # XGrammar refusing this sequence's schema
             raise _mapped(e, sampling.constraint) from e
         stats.started = time.perf_counter()
@@ -216,8 +223,12 @@ class ContinuousBatcher(Batcher):
             handle = seq.handle
             if not seq.cancelled:
                 tokens: list[int] = []
+                entries = seq.stats.logprobs
                 while handle.can_read():
                     for res in handle.read().values():
+                        if entries is not None:  # before the pieces (base.GenerationStats)
+                            entries += map(self._scorer.given, res.generated_ids,
+                                           res.generated_log_probs)
                         for t in res.generated_ids:
                             if t in eos:
                                 seq.reason = "stop"

@@ -64,6 +64,7 @@ from localrun.backends.hf_config import (
     sampling_defaults,
     trained_context,
 )
+from localrun.backends.logprobs import openvino_features
 from localrun.errors import (
     ChatTemplateError,
     ContextOverflowError,
@@ -258,6 +259,7 @@ class OpenVINOSession(Session):
             self._batcher = openvino_batch.ContinuousBatcher(
                 self._pipe, eos=self._eos, decode_many=self._tok.decode, config=self._config)
             self.batch_alone = True
+            self.features = openvino_features(engine_version("openvino"))  # logprobs.py
         self.chat_template = getattr(self._tok, "chat_template", None) or None
         self.bos_token, self.eos_token = self._tok.get_bos_token(), self._tok.get_eos_token()
         self.info = ModelInfo(
