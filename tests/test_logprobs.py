@@ -453,6 +453,31 @@ def test_lm_eval_loglikelihood_requests(llama: Any) -> None:
     assert scores[0][1]  # and it is the greedy continuation
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def check_raw_under_a_schema(model: Any) -> None:
+    """Under a schema the reply is constrained, but the values are the raw model's: the
+    first position's alternatives are the unconstrained call's, and the forced first
+    token (``{"``), which the model alone finds unlikely, keeps its low logprob."""
+    free = model.complete("The capital of France is", max_tokens=1, temperature=0,
+                          logprobs=True, top_logprobs=3)
+    forced = model.complete("The capital of France is", max_tokens=12, temperature=0,
+                            logprobs=True, top_logprobs=3, schema=CITY)
+    assert forced.parsed == {"city": "Paris"}
+    assert forced.logprobs is not None and free.logprobs is not None
+    first = forced.logprobs[0]
+    assert [t.id for t in first.top_logprobs] == [t.id for t in free.logprobs[0].top_logprobs]
+    assert [t.logprob for t in first.top_logprobs] == pytest.approx(
+        [t.logprob for t in free.logprobs[0].top_logprobs], abs=1e-4)
+    assert first.id not in [t.id for t in first.top_logprobs] and (first.logprob or 0) < -5
+
+
+@requires_llama
+def test_llama_logprobs_under_a_schema_are_the_raw_models(llama: Any) -> None:
+    check_raw_under_a_schema(llama)
+
+
 # -- ONNX Runtime GenAI and MLX ---------------------------------------------------------------
 
 #: (backend, fixture, module, how far a decode step's logprobs may be from a prefill's)
@@ -505,6 +530,11 @@ def test_engine_sampled_logprobs_are_the_raw_models(engine: tuple[Any, float]) -
         [t.id for t in greedy.logprobs[0].top_logprobs]
     assert [t.logprob for t in hot.logprobs[0].top_logprobs] == pytest.approx(
         [t.logprob for t in greedy.logprobs[0].top_logprobs], abs=1e-4)
+
+
+def test_engine_logprobs_under_a_schema_are_the_raw_models(engine: tuple[Any, float]
+                                                           ) -> None:
+    check_raw_under_a_schema(engine[0])
 
 
 def test_engine_batch(engine: tuple[Any, float]) -> None:
