@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -365,26 +367,42 @@ from localrun.server.responses_store import ResponseStore, StoreUnavailableError
 if os.geteuid() == 0:  # root writes anywhere: drop to 'nobody', for whom the folder is read-only
     os.setgid(65534)
     os.setuid(65534)
-try:
-    ResponseStore(sys.argv[1]).put("resp_x", "local", {}, input_items=[], conversation=[],
-                                   model="m")
-except StoreUnavailableError as e:
-    print(type(e).__name__, e.message)
+for path in sys.argv[1:]:
+    try:
+        store = ResponseStore(path)
+        print("opened", store.get("resp_kept", "local") is not None, end=" ")
+        store.put("resp_x", "local", {}, input_items=[], conversation=[], model="m")
+        print("stored")
+    except StoreUnavailableError as e:
+        print(type(e).__name__, e.message)
 """
 
 
-@pytest.mark.skipif(os.name != "posix", reason="file modes are POSIX")
-def test_a_read_only_home(tmp_path: Path) -> None:
-    home = tmp_path / "ro"
-    home.mkdir()
-    home.chmod(0o555)
-    tmp_path.chmod(0o755)
+@pytest.mark.skipif(os.name != "posix", reason="file modes and users are POSIX")
+def test_a_read_only_home() -> None:
+    # Not under tmp_path: pytest makes its parents 0700, which 'nobody' cannot even cross.
+    base = Path(tempfile.mkdtemp(prefix="localrun-ro-"))
+    home = base / "home"
     try:
-        out = run_python(READ_ONLY, str(home / "r.sqlite3"))
+        base.chmod(0o755)
+        with ResponseStore(home / "r.sqlite3") as store:
+            store.put("resp_kept", "local", {}, input_items=[], conversation=[], model="m")
+        home.chmod(0o755)
+        if os.geteuid() == 0:
+            os.chown(home / "r.sqlite3", 65534, 65534)  # nobody's file, in a folder it can't write
+        (home / "r.sqlite3").chmod(0o600)
+        home.chmod(0o555)
+        out = run_python(READ_ONLY, str(home / "new" / "r.sqlite3"), str(home / "r.sqlite3"))
+        assert out.returncode == 0, out.stderr
+        new, existing = out.stdout.splitlines()
+        # A new store cannot be made; an existing one cannot take a write (SQLite cannot
+        # make its -wal/-shm files there): typed, naming the file, never a crash.
+        assert new.startswith("StoreUnavailableError ") and str(home / "new") in new
+        assert "StoreUnavailableError " in existing and str(home / "r.sqlite3") in existing
+        assert "Damaged" not in out.stdout
     finally:
         home.chmod(0o755)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("StoreUnavailableError ") and str(home) in out.stdout
+        shutil.rmtree(base)
 
 
 def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
