@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
 requires_llama = pytest.mark.skipif(
-    not HAVE_LLAMA, reason="llama-cpp-python is not installed (pip install 'localrun[llama-cpp]')"
+    not HAVE_LLAMA, reason="llama-cpp-python is not installed (pip install -e '.[llama-cpp]')"
 )
 
 
@@ -41,7 +41,7 @@ def default_gguf() -> Path:
 def llama_model(default_gguf: Path) -> Iterator[object]:
     """One real llama.cpp Model for the whole session (loading costs ~0.3 s)."""
     if not HAVE_LLAMA:
-        pytest.skip("llama-cpp-python is not installed (pip install 'localrun[llama-cpp]')")
+        pytest.skip("llama-cpp-python is not installed (pip install -e '.[llama-cpp]')")
     import localrun
 
     with localrun.load(str(default_gguf), backend="llama.cpp", context=2048) as m:

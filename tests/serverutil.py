@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed "
-                    "(pip install 'localrun[serve]')")
+                    "(pip install -e '.[serve]')")
 
 from localrun.server.app import bind, create_app, make_server
 from localrun.server.config import ServerConfig
@@ -51,7 +51,7 @@ def server_fixtures(config: ServerConfig) -> tuple[Any, Any]:
         from tests.models import test_model
 
         if not HAVE_LLAMA:
-            pytest.skip("llama-cpp-python is not installed (pip install 'localrun[llama-cpp]')")
+            pytest.skip("llama-cpp-python is not installed (pip install -e '.[llama-cpp]')")
         with localrun.load(str(test_model("gguf-q4_1")), backend="llama.cpp", context=2048,
                            threads=1) as m:
             m.complete("1, 2, 3,", max_tokens=2, temperature=0)  # first touch of the weights

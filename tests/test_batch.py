@@ -373,7 +373,7 @@ def test_batch_from_threads_queues(llama_model: Any) -> None:
 
 requires_openvino = pytest.mark.skipif(
     importlib.util.find_spec("openvino_genai") is None,
-    reason="openvino-genai is not installed (pip install 'localrun[openvino]')")
+    reason="openvino-genai is not installed (pip install -e '.[openvino]')")
 
 ROBUST = ["What is 2+2?", "What is the opposite of hot?", "How many legs does a dog have?",
           "What color is the sky on a clear day?", "What are the three primary colors?",

@@ -181,7 +181,7 @@ TINY = BenchConfig(models=("smollm2:135m",), backend="all", prompt_tokens=(16,),
 @pytest.fixture(scope="module")
 def tiny_report() -> Iterator[BenchReport]:
     if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python is not installed (pip install 'localrun[llama-cpp]')")
+        pytest.skip("llama-cpp-python is not installed (pip install -e '.[llama-cpp]')")
     from localrun.bench import run_bench
 
     messages: list[str] = []
@@ -277,7 +277,7 @@ def test_concurrency_mode_by_engine(backend: str, fixture: str, mode: str) -> No
 
     if not is_installed(backend):
         pytest.skip(f"{BACKENDS[backend].title} is not installed "
-                    f"(pip install 'localrun[{BACKENDS[backend].extra}]')")
+                    f"(pip install -e '.[{BACKENDS[backend].extra}]')")
     report = run_bench(BenchConfig(models=(str(test_model(fixture)),), backend=backend,
                                    prompt_tokens=(16,), gen_tokens=4, concurrency=(2,),
                                    runs=1, warmup=0, bandwidth_bytes=16 * 2**20))

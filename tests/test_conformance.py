@@ -64,7 +64,7 @@ CONVERSATIONS: tuple[list[dict[str, str]], ...] = (
 def _skip_unless_installed(backend: str) -> None:
     if not is_installed(backend):
         spec = BACKENDS[backend]
-        pytest.skip(f"{spec.title} is not installed (pip install 'localrun[{spec.extra}]')")
+        pytest.skip(f"{spec.title} is not installed (pip install -e '.[{spec.extra}]')")
 
 
 @pytest.fixture(scope="module", params=CASES, ids=IDS)

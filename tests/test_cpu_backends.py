@@ -54,7 +54,7 @@ TWO_USERS: list[Message] = [{"role": "user", "content": "Hi"},
 def _skip_unless_installed(backend: str) -> None:
     if not is_installed(backend):
         spec = BACKENDS[backend]
-        pytest.skip(f"{spec.title} is not installed (pip install 'localrun[{spec.extra}]')")
+        pytest.skip(f"{spec.title} is not installed (pip install -e '.[{spec.extra}]')")
 
 
 @pytest.fixture(scope="module", params=CASES, ids=IDS)

@@ -47,10 +47,10 @@ GiB = 2**30
 
 requires_openvino = pytest.mark.skipif(
     importlib.util.find_spec("openvino_genai") is None,
-    reason="openvino-genai is not installed (pip install 'localrun[openvino]')")
+    reason="openvino-genai is not installed (pip install -e '.[openvino]')")
 requires_onnx = pytest.mark.skipif(
     importlib.util.find_spec("onnxruntime_genai") is None,
-    reason="onnxruntime-genai is not installed (pip install 'localrun[onnx]')")
+    reason="onnxruntime-genai is not installed (pip install -e '.[onnx]')")
 
 
 def profile(name: str) -> HardwareProfile:

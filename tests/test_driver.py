@@ -18,7 +18,7 @@ from tests.test_batch import Interleaving, interleaved
 
 requires_openvino = pytest.mark.skipif(
     importlib.util.find_spec("openvino_genai") is None,
-    reason="openvino-genai is not installed (pip install 'localrun[openvino]')")
+    reason="openvino-genai is not installed (pip install -e '.[openvino]')")
 
 
 class Recorder:
@@ -103,7 +103,7 @@ def llama_slot(default_gguf: Any) -> Iterator[Any]:
     import localrun
 
     if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python is not installed (pip install 'localrun[llama-cpp]')")
+        pytest.skip("llama-cpp-python is not installed (pip install -e '.[llama-cpp]')")
     with localrun.load(str(default_gguf), backend="llama.cpp", context=2048) as m:
         yield m
 

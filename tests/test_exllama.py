@@ -1613,7 +1613,7 @@ def _gpu_model(backend: str, env: str) -> Path:
     from localrun.backends import is_installed
 
     if not is_installed(backend):
-        pytest.skip(f"{backend} is not installed (pip install 'localrun[{backend}]')")
+        pytest.skip(f"{backend} is not installed (pip install -e '.[{backend}]')")
     path = os.environ.get(env)
     if not path or not Path(path).is_dir():
         pytest.skip(f"set {env} to a model folder (scripts/gpu_kit/run.py makes one)")

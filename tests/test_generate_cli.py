@@ -388,7 +388,7 @@ def test_a_full_disk_is_one_line_and_resume_completes(default_gguf: Path,
 
 requires_openvino = pytest.mark.skipif(
     importlib.util.find_spec("openvino_genai") is None,
-    reason="openvino-genai is not installed (pip install 'localrun[openvino]')")
+    reason="openvino-genai is not installed (pip install -e '.[openvino]')")
 
 
 @requires_openvino

@@ -278,7 +278,7 @@ def exl(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
     from localrun.backends import is_installed
 
     if not is_installed(engine):
-        pytest.skip(f"{engine} is not installed (pip install 'localrun[{engine}]')")
+        pytest.skip(f"{engine} is not installed (pip install -e '.[{engine}]')")
     path = _model_path(EXL[engine])
     with localrun.load(str(path), backend=engine, context=CONTEXT) as m:
         yield engine, m

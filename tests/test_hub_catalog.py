@@ -236,7 +236,7 @@ def test_intel_pull_qwen_takes_another_openvino_variant_and_runs(fake: HubFixtur
     """The int8 IR is there: the plan explains the catalog entry it passed over and the
     variant it chose, and OpenVINO GenAI runs what was pulled."""
     pytest.importorskip("openvino_genai", reason="OpenVINO GenAI is not installed "
-                        "(pip install 'localrun[openvino]')")
+                        "(pip install -e '.[openvino]')")
     ir = test_model("openvino-int4")
     _intel_hub_without_the_ov_int4(fake)
     # A real IR behind the int8 name (SmolLM2-135M; the test is about what is chosen).

@@ -44,7 +44,7 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[HubFixture
 def _serve(fake: HubFixture, backend: str, gguf: Path) -> str:
     module, repo, fixture = VARIANTS[backend]
     if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{backend} is not installed (pip install 'localrun[{backend}]')")
+        pytest.skip(f"{backend} is not installed (pip install -e '.[{backend}]')")
     folder = test_model(fixture) if fixture else None  # skips, naming the build command
     add_smollm2(fake.hub, gguf, openvino=folder if backend == "openvino" else None,
                 onnx=folder if backend == "onnx" else None)

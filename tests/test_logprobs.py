@@ -282,7 +282,7 @@ def test_bad_prompts_and_echo_on_a_conversation() -> None:
 @pytest.fixture(scope="module")
 def llama(default_gguf: Any) -> Iterator[Any]:
     if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python is not installed (pip install 'localrun[llama-cpp]')")
+        pytest.skip("llama-cpp-python is not installed (pip install -e '.[llama-cpp]')")
     with localrun.load(str(default_gguf), backend="llama.cpp", context=CONTEXT) as m:
         yield m
 
@@ -490,7 +490,7 @@ ENGINES = [("onnx", "onnx-int4", "onnxruntime_genai", 0.3), ("mlx", "mlx-4bit", 
 def engine(request: pytest.FixtureRequest) -> Iterator[tuple[Any, float]]:
     backend, fixture, module, tol = request.param
     if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed (pip install 'localrun[{backend}]')")
+        pytest.skip(f"{module} is not installed (pip install -e '.[{backend}]')")
     with localrun.load(str(test_model(fixture)), backend=backend, context=CONTEXT) as m:
         yield m, tol
 
@@ -558,7 +558,7 @@ def test_engine_batch(engine: tuple[Any, float]) -> None:
 @pytest.fixture(scope="module")
 def openvino() -> Iterator[Any]:
     if importlib.util.find_spec("openvino_genai") is None:
-        pytest.skip("openvino-genai is not installed (pip install 'localrun[openvino]')")
+        pytest.skip("openvino-genai is not installed (pip install -e '.[openvino]')")
     with localrun.load(str(test_model("openvino-int4")), backend="openvino",
                        context=CONTEXT) as m:
         if "logprobs" not in m._session.features:

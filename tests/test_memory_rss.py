@@ -129,7 +129,7 @@ def _measure(*args: str) -> dict[str, Any]:
 
 def _fixture(backend: str) -> Path:
     if not is_installed(backend):
-        pytest.skip(f"{backend} is not installed (pip install 'localrun[...]' names it)")
+        pytest.skip(f"{backend} is not installed (pip install -e '.[...]' names it)")
     return test_model(FIXTURES[backend])
 
 

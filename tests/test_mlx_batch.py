@@ -24,7 +24,7 @@ from localrun.structured.constraint import Constraint
 from localrun.types import CancelToken
 from tests.models import test_model
 
-pytest.importorskip("mlx_lm", reason="MLX is not installed (pip install 'localrun[mlx]')")
+pytest.importorskip("mlx_lm", reason="MLX is not installed (pip install -e '.[mlx]')")
 
 N = 8  # reply tokens per sequence
 

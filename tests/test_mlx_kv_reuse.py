@@ -14,7 +14,7 @@ import pytest
 
 from localrun.sampling import ResolvedSampling
 
-pytest.importorskip("mlx_lm", reason="MLX is not installed (pip install 'localrun[mlx]')")
+pytest.importorskip("mlx_lm", reason="MLX is not installed (pip install -e '.[mlx]')")
 
 N = 6  # reply tokens
 
@@ -223,7 +223,7 @@ def test_serve_counts_the_caches_it_keeps(model: Any) -> None:
     whole-context caches within 1 GiB), which ``localrun serve`` adds to the model's
     weights, overhead and KV cache."""
     pytest.importorskip("fastapi", reason="the serve extra is not installed "
-                        "(pip install 'localrun[serve]')")
+                        "(pip install -e '.[serve]')")
     from localrun.backends.mlx_batch import PREFIX_BYTES, PREFIX_ENTRIES
     from localrun.server.config import ServerConfig
     from localrun.server.sizing import estimate_loaded

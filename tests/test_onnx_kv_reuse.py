@@ -21,7 +21,7 @@ from localrun.types import CancelToken
 from tests.models import test_model
 
 pytest.importorskip("onnxruntime_genai",
-                    reason="ONNX Runtime GenAI is not installed (pip install 'localrun[onnx]')")
+                    reason="ONNX Runtime GenAI is not installed (pip install -e '.[onnx]')")
 
 CONTEXT = 4096
 SYSTEM = "You are a helpful assistant. Answer in a few plain sentences."

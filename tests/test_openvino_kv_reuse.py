@@ -28,7 +28,7 @@ from localrun.errors import LocalrunError
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("openvino_genai") is None,
-    reason="openvino-genai is not installed (pip install 'localrun[openvino]')")
+    reason="openvino-genai is not installed (pip install -e '.[openvino]')")
 
 #: ~1,300 tokens: two prefill steps of MAX_BATCHED_TOKENS (1024) when nothing is cached
 SYSTEM = " ".join(f"Rule {i}: answer plainly and keep to the facts." for i in range(100))

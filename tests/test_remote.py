@@ -214,7 +214,7 @@ def test_against_localrun_serve() -> None:
     from tests.models import test_model
 
     if not HAVE_LLAMA:
-        pytest.skip("llama-cpp-python is not installed (pip install 'localrun[llama-cpp]')")
+        pytest.skip("llama-cpp-python is not installed (pip install -e '.[llama-cpp]')")
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     with localrun.load(str(test_model("gguf-q4_1")), backend="llama.cpp", context=2048,
                        threads=1) as local:

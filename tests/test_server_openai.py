@@ -261,7 +261,7 @@ def test_embeddings_base64_match_the_reference(srv: Running, client: Any) -> Non
 
 def test_embeddings_on_openvino_match_the_reference(client: Any) -> None:
     pytest.importorskip("openvino_genai", reason="OpenVINO GenAI is not installed "
-                        "(pip install 'localrun[openvino]')")
+                        "(pip install -e '.[openvino]')")
     from tests.models import test_model
 
     folder = test_model("minilm-openvino")

@@ -24,7 +24,7 @@ from tests.conftest import HAVE_LLAMA
 from tests.serverutil import WAIT, Running, request, serve
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed "
-                    "(pip install 'localrun[serve]')")
+                    "(pip install -e '.[serve]')")
 
 from localrun.server.config import ServerConfig
 
@@ -36,10 +36,10 @@ COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # SmolLM2 keeps counting: every reply is 1
 ENGINES = [
     pytest.param(("openvino", "openvino-int4", {}), id="openvino", marks=pytest.mark.skipif(
         importlib.util.find_spec("openvino_genai") is None,
-        reason="openvino-genai is not installed (pip install 'localrun[openvino]')")),
+        reason="openvino-genai is not installed (pip install -e '.[openvino]')")),
     pytest.param(("llama.cpp", "gguf-q4_1", {"threads": 1}), id="llama.cpp",
                  marks=pytest.mark.skipif(not HAVE_LLAMA, reason="llama-cpp-python is not "
-                                          "installed (pip install 'localrun[llama-cpp]')")),
+                                          "installed (pip install -e '.[llama-cpp]')")),
 ]
 
 
@@ -259,7 +259,7 @@ def _load_on_request(config: ServerConfig, path: str, loads: list[str] | None = 
 
 
 @pytest.mark.skipif(not HAVE_LLAMA, reason="llama-cpp-python is not installed "
-                    "(pip install 'localrun[llama-cpp]')")
+                    "(pip install -e '.[llama-cpp]')")
 def test_llama_cpp_counts_the_batch_context_it_builds() -> None:
     """llama.cpp's batcher is a second context with a KV stream of the whole context
     per slot of its own, one for each request the server runs at once (--parallel, 4 by
@@ -296,7 +296,7 @@ def test_llama_cpp_counts_the_batch_context_it_builds() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("openvino_genai") is None,
-                    reason="openvino-genai is not installed (pip install 'localrun[openvino]')")
+                    reason="openvino-genai is not installed (pip install -e '.[openvino]')")
 def test_openvino_counts_one_kv_cache_whatever_runs_at_once(tmp_path: Path) -> None:
     """OpenVINO GenAI runs every sequence through the session's one pipeline, whose
     paged KV cache is one context's worth of blocks: requests at once share it, so a
@@ -320,7 +320,7 @@ def test_openvino_counts_one_kv_cache_whatever_runs_at_once(tmp_path: Path) -> N
 
 
 @pytest.mark.skipif(not HAVE_LLAMA, reason="llama-cpp-python is not installed "
-                    "(pip install 'localrun[llama-cpp]')")
+                    "(pip install -e '.[llama-cpp]')")
 def test_a_model_named_at_start_sizes_its_batch_context_to_memory() -> None:
     """The same for a model named on the command line (loaded before serving): as many
     KV streams as --max-memory holds beside it, none where it holds one request."""

@@ -408,7 +408,7 @@ class Guarded(asyncio.Protocol):
         resets, and the client may lose the answer; so, up to ``MAX_LINGERING`` at a
         time, it is half-closed and what still comes is read and dropped for up to
         ``LINGER`` seconds first (Apache's lingering close)."""
-        body = json.dumps(error.body_for(path)).encode()
+        body = json.dumps(error.body_for(path), separators=(",", ":")).encode()
         reason = _REASONS.get(error.status, "Error")
         head = [f"HTTP/1.1 {error.status} {reason}", "content-type: application/json",
                 f"content-length: {len(body)}", "connection: close"]
