@@ -246,6 +246,20 @@ class Model:
         """Tokens of raw text for this model's tokenizer."""
         return self._driver.count_tokens(text)
 
+    def count_prompt_tokens(self, messages: str | Sequence[Message], *,
+                            tools: Sequence[Any] | None = None, tool_choice: Any = None,
+                            response_format: Any = None, schema: Any = None) -> int:
+        """Tokens of the prompt :meth:`chat` would send for ``messages`` (the chat
+        template, with its tools and a forced call's prefill), counted without
+        generating."""
+        from localrun.driver.sequence import encode_prompt, structured_plan
+
+        structured = prepare(response_format, schema, tools, tool_choice)
+        msgs = normalize_messages(messages)
+        with self._driver.exclusive() as session:
+            plan = structured_plan(session, msgs, structured)
+            return len(encode_prompt(session, msgs, None, plan).tokens)
+
     def close(self) -> None:
         """Free the engine's memory. Waits for running calls to finish."""
         session = self._driver.close()

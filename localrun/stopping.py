@@ -10,12 +10,13 @@ from collections.abc import Sequence
 
 
 class StopMatcher:
-    __slots__ = ("_held", "_max", "_stops")
+    __slots__ = ("_held", "_max", "_stops", "matched")
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._max = max((len(s) for s in self._stops), default=0)
         self._held = ""
+        self.matched: str | None = None  # the stop string that matched, once one has
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add generated text; return (text safe to emit, whether a stop string matched)."""
@@ -26,7 +27,7 @@ class StopMatcher:
         for s in self._stops:
             i = buf.find(s)
             if i != -1 and (cut == -1 or i < cut):
-                cut = i
+                cut, self.matched = i, s
         if cut != -1:
             self._held = ""
             return buf[:cut], True

@@ -75,7 +75,7 @@ def test_format_schema_gives_matching_json(client: Any) -> None:
 def test_tools(client: Any, server_model: Any) -> None:
     """Ollama's tool shapes both ways: calls in an assistant turn and the tool's answer
     (by tool_name) reach the model; a reply's calls come back as the client parses them."""
-    from localrun.server.ollama_api import _tool_calls
+    from localrun.server.protocol.ollama import tool_calls as _tool_calls
 
     def get_weather(city: str) -> str:
         """Current weather in a city.

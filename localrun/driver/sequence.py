@@ -405,6 +405,17 @@ class Stream:
     def cancel(self) -> None:
         self._cancel.cancel()
 
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's tokens, once it is encoded (before the first chunk); else None."""
+        prompt = self._gen.prompt
+        return None if prompt is None else len(prompt.tokens)
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the reply (``finish_reason`` "stop"), if one did."""
+        return self._gen.matcher.matched
+
     def close(self) -> None:
         close = getattr(self._chunks, "close", None)
         if close is not None:

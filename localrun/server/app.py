@@ -27,12 +27,13 @@ from starlette.requests import ClientDisconnect
 
 from localrun import __version__
 from localrun.errors import LocalrunError
-from localrun.server import limits, ollama_api, openai_api, policy
+from localrun.server import anthropic_api, limits, ollama_api, openai_api, policy
 from localrun.server.config import ServerConfig
 from localrun.server.errors import APIError
 from localrun.server.jobs import stop_all
 from localrun.server.manager import ModelManager
 from localrun.server.metrics import Metrics
+from localrun.server.protocol import spec
 from localrun.server.state import ServerState, to_api_error
 
 log = logging.getLogger("localrun.server")
@@ -60,17 +61,30 @@ def create_app(config: ServerConfig, *, manager: ModelManager | None = None) -> 
                   redoc_url=None, openapi_url=None)
     app.state.localrun = state
     app.include_router(openai_api.router)
+    app.include_router(anthropic_api.router)
     app.include_router(ollama_api.router)
 
-    @app.get("/health")
+    @app.head("/health", include_in_schema=False)
+    @app.get("/health", **spec.operation("GET", "/health", "localrun",
+                                         summary="Liveness (no API key needed)"))
     async def health() -> Any:
         return JSONResponse({"status": "ok", "models_loaded": len(manager.models)})
 
-    @app.get("/metrics")
+    @app.get("/metrics", **spec.operation("GET", "/metrics", "localrun",
+                                          summary="Prometheus metrics"))
     async def metrics_route() -> Any:
         for m in manager.models.values():  # gauges that time alone changes
             metrics.queue_depth.labels(model=m.name).set(m.waiting)
         return Response(metrics.render(), media_type=metrics.content_type)
+
+    document: dict[str, Any] = {}
+
+    @app.get("/openapi.json", **spec.operation("GET", "/openapi.json", "localrun",
+                                               summary="This document"))
+    async def openapi_route() -> Any:
+        if not document:  # built once, on the first ask
+            document.update(spec.openapi(app))
+        return JSONResponse(document)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Any:
@@ -85,8 +99,8 @@ def create_app(config: ServerConfig, *, manager: ModelManager | None = None) -> 
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Any:
-        what = f"{request.method} {request.url.path}"
-        message = {404: f"No such endpoint: {what}",
+        what = f"{request.method} {printable(request.url.path)}"
+        message = {404: f"No such endpoint: {what}. localrun serves {spec.endpoints()}",
                    405: f"Method not allowed: {what}"}.get(exc.status_code, str(exc.detail))
         e = APIError(exc.status_code, message, code="not_found" if exc.status_code == 404
                      else None)
@@ -109,7 +123,8 @@ def create_app(config: ServerConfig, *, manager: ModelManager | None = None) -> 
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
                            allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type"],
+                           allow_headers=["Authorization", "Content-Type", "x-api-key",
+                                          "anthropic-version", "anthropic-beta"],
                            allow_credentials=False)
     app.add_middleware(AccessLogMiddleware, metrics=metrics)
     return app
@@ -118,7 +133,7 @@ def create_app(config: ServerConfig, *, manager: ModelManager | None = None) -> 
 async def _send_error(send: Any, scope: Scope, error: APIError) -> None:
     import json
 
-    body = json.dumps(error.body_for(scope.get("path", ""))).encode()
+    body = json.dumps(error.body_for(scope.get("path", "")), separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
@@ -143,7 +158,8 @@ class _HTTPMiddleware:
 
 
 class AuthMiddleware(_HTTPMiddleware):
-    """``Authorization: Bearer KEY`` on every route but /health."""
+    """The API key on every route but /health: ``Authorization: Bearer KEY`` (OpenAI's
+    and Ollama's clients), or ``x-api-key: KEY`` (Anthropic's)."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         super().__init__(app)
@@ -153,16 +169,19 @@ class AuthMiddleware(_HTTPMiddleware):
         if scope.get("path") in PUBLIC_PATHS:
             await self.app(scope, receive, send)
             return
-        given = b""
+        given: list[bytes] = []
         for name, value in scope.get("headers", []):
             if name == b"authorization" and value[:7].lower() == b"bearer ":
-                given = value[7:].strip()
-        if not given or not hmac.compare_digest(given, self.key):
+                given.append(value[7:].strip())
+            elif name == b"x-api-key":
+                given.append(value.strip())
+        given = [g for g in given if g]
+        if not any(hmac.compare_digest(g, self.key) for g in given):
             why = "Invalid API key" if given else "Missing API key"
             await _send_error(send, scope, APIError(
-                401, f"{why}: send 'Authorization: Bearer KEY' with the key the server was "
-                "started with (--api-key or LOCALRUN_API_KEY)", code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"}))
+                401, f"{why}: send 'Authorization: Bearer KEY' or 'x-api-key: KEY' with the "
+                "key the server was started with (--api-key or LOCALRUN_API_KEY)",
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
             return
         await self.app(scope, receive, send)
 
@@ -284,6 +303,8 @@ class AccessLogMiddleware(_HTTPMiddleware):
         scope.setdefault("state", {})
         stream = False
 
+        refusal = bytearray()  # the start of an error answer's body, for its reason
+
         async def watched(message: Any) -> None:
             nonlocal status, stream
             if message.get("type") == "http.response.start":
@@ -292,14 +313,17 @@ class AccessLogMiddleware(_HTTPMiddleware):
                     if name == b"content-type" and (b"event-stream" in value
                                                     or b"ndjson" in value):
                         stream = True
+            elif status >= 400 and len(refusal) < REASON_BYTES:
+                refusal.extend(message.get("body", b"")[:REASON_BYTES - len(refusal)])
             await send(message)
 
         try:
             await self.app(scope, receive, watched)
         finally:
-            self._log(scope, status or 500, time.monotonic() - t0, stream)
+            self._log(scope, status or 500, time.monotonic() - t0, stream, bytes(refusal))
 
-    def _log(self, scope: Scope, status: int, seconds: float, stream: bool) -> None:
+    def _log(self, scope: Scope, status: int, seconds: float, stream: bool,
+             refusal: bytes = b"") -> None:
         path = scope.get("path", "")
         endpoint = "/v1/models/{model}" if _MODEL_PATH.match(path) else path
         known = endpoint in _ENDPOINTS
@@ -319,7 +343,31 @@ class AccessLogMiddleware(_HTTPMiddleware):
             parts.append(f"queued={note['queued']:.3f}s")
         if stream:
             parts.append("stream")
+        reason = error_reason(refusal) if status >= 400 else None
+        if reason:
+            parts.append(f'error="{printable(reason)}"')
         access_log.info(" ".join(parts))
+
+
+#: how much of an error answer's body the access log reads for its reason
+REASON_BYTES = 4096
+
+
+def error_reason(body: bytes) -> str | None:
+    """The message of an error answer, in any dialect's shape, cut to 300 characters."""
+    import json
+
+    try:
+        data = json.loads(body)
+    except ValueError:
+        text = body.decode("utf-8", "replace").strip()
+        return text[:300] or None
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict):
+        error = error.get("message")
+    if not isinstance(error, str):
+        return None
+    return error if len(error) <= 300 else error[:297] + "..."
 
 
 def printable(text: str, *, quotes: bool = True) -> str:
@@ -345,7 +393,7 @@ def printable(text: str, *, quotes: bool = True) -> str:
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
               "/v1/embeddings", "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",
               "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/pull", "/health",
-              "/metrics", "/"}
+              "/metrics", "/", "/v1/messages", "/v1/messages/count_tokens", "/openapi.json"}
 
 
 # -- running it -------------------------------------------------------------------------

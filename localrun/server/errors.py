@@ -1,4 +1,5 @@
-"""HTTP errors: one exception, two wire shapes (OpenAI's under /v1, Ollama's under /api).
+"""HTTP errors: one exception, three wire shapes: Ollama's under /api, Anthropic's under
+/v1/messages, OpenAI's elsewhere (:func:`shape_of`).
 
 Every error a client sees is one of these, built from a LocalrunError's message and
 hint, or from what the server itself refuses. Never a traceback.
@@ -33,12 +34,39 @@ class APIError(Exception):
     def ollama_body(self) -> dict[str, Any]:
         return {"error": self.message}
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's shape; its ``type`` by status, as Anthropic's API reference lists
+        them (other 4xx: invalid_request_error)."""
+        kind = ANTHROPIC_TYPES.get(self.status) or (
+            "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
     def body_for(self, path: str) -> dict[str, Any]:
-        return self.ollama_body() if is_ollama_path(path) else self.openai_body()
+        shape = shape_of(path)
+        if shape == "ollama":
+            return self.ollama_body()
+        if shape == "anthropic":
+            return self.anthropic_body()
+        return self.openai_body()
 
 
-def is_ollama_path(path: str) -> bool:
-    return path == "/api" or path.startswith("/api/")
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                   503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+
+#: the error shape of each path prefix (the first that matches); OpenAI's elsewhere
+SHAPES: tuple[tuple[str, str], ...] = (("/api/", "ollama"), ("/v1/messages", "anthropic"))
+
+
+def shape_of(path: str) -> str:
+    """Which dialect's error shape a path answers in: "ollama", "anthropic" or "openai"."""
+    if path == "/api":
+        return "ollama"
+    for prefix, shape in SHAPES:
+        if path.startswith(prefix):
+            return shape
+    return "openai"
 
 
 def _default_type(status: int) -> str:

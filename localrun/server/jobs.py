@@ -95,6 +95,9 @@ class Job:
         self._watcher = self._loop.create_task(self._watch_disconnect())
         self._closed = False
         self._ran: Any = None  # the worker's own Completion, even when nobody read it
+        #: the run's ``localrun.Stream`` once it started (its ``prompt_tokens``, and its
+        #: ``stop_sequence`` at the end, for the dialects that report them)
+        self.stream: Any = None
         self.started_at = 0.0  # time.monotonic() when the worker started
         self.stopped: APIError | None = None  # why the server ended it (:meth:`stop`)
         _open.setdefault(self._loop, set()).add(self)
@@ -232,6 +235,7 @@ class Job:
         try:
             result = work(self.token)
             if hasattr(result, "join") and hasattr(result, "__next__"):
+                self.stream = result
                 with result:
                     # one JSON answer: join() lets the engine thread feed the reply, and
                     # neither this thread nor the event loop wakes for each token

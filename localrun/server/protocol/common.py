@@ -1,0 +1,297 @@
+"""What every dialect shares: the base of its request shapes, the 400 a shape's
+validation error becomes, the library's one generation request (:class:`Generation`),
+checked before any model loads, and the one way a generation is answered
+(:func:`respond`: one JSON body, or a stream in the dialect's :class:`~localrun.server.jobs.Wire`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from localrun.server.errors import APIError, bad_request, unsupported
+from localrun.server.params import read_json
+
+T = TypeVar("T", bound=BaseModel)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _integral(value: Any) -> Any:
+    """2.0 from a client that writes every number as a float is the integer 2."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    return value
+
+
+#: An integer field: JSON integers, and floats with no fraction (never a bool or "5").
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def refused(name: str, why: str) -> PydanticCustomError:
+    """A field a shape declares but localrun does not honour (yet), or one it does not
+    declare: raised inside validation, it becomes "Unsupported parameter 'PATH.name'"."""
+    return PydanticCustomError("unsupported_parameter", "{why}", {"field": name, "why": why})
+
+
+def invalid(message: str, name: str | None = None) -> PydanticCustomError:
+    """A value of the right type that the field cannot take (400, code invalid_value)."""
+    return PydanticCustomError("invalid_value", "{message}",
+                               {"message": message, "field": name or ""})
+
+
+class Shape(BaseModel):
+    """A request shape, or a part of one, as a dialect declares it.
+
+    Types are JSON's own (``"5"`` is no integer, ``1`` no boolean; numbers finite). A
+    field it does not declare is refused with 400 naming it (:data:`UNKNOWN` gives the
+    reason where there is one), unless it is null (clients send null for "unset") or
+    listed in :data:`IGNORED` (accepted, no effect). :data:`REFUSED` lists declared
+    fields localrun does not honour yet: each is refused unless null, empty or the one
+    value it names (``n`` = 1) — the place a later feature turns one on is removing
+    its row and reading the field.
+    """
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False,
+                              protected_namespaces=(), populate_by_name=True)
+
+    IGNORED: ClassVar[tuple[str, ...]] = ()
+    REFUSED: ClassVar[Mapping[str, tuple[Any, str]]] = {}
+    UNKNOWN: ClassVar[Mapping[str, str]] = {}
+
+    @model_validator(mode="after")
+    def _refuse(self) -> Shape:
+        self.refuse()
+        return self
+
+    def refuse(self) -> None:
+        extra = self.model_extra or {}
+        for name, (ok, why) in self.REFUSED.items():
+            value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
+            if value is None or value == ok or (isinstance(ok, (list, dict)) and not value):
+                continue
+            raise refused(name, why)
+        self.refuse_extra(extra)
+
+    def refuse_extra(self, extra: Mapping[str, Any]) -> None:
+        for key, value in extra.items():
+            if value is None or key in self.IGNORED:
+                continue
+            raise refused(key, self.UNKNOWN.get(key, "localrun does not implement it"))
+
+
+class Passed(Shape):
+    """A part the library reads itself (a tool, a response_format): what it does not
+    declare is kept and left to the library, as the library's own API takes it."""
+
+    def refuse_extra(self, extra: Mapping[str, Any]) -> None:
+        pass
+
+
+async def parse(request: Any, shape: type[T]) -> T:
+    """The body, read by :func:`~localrun.server.params.read_json` (size, depth, digits
+    and text limits first), as ``shape``; a 400 naming the field otherwise."""
+    body = await read_json(request)
+    try:
+        return shape.model_validate(body)
+    except ValidationError as e:
+        raise from_validation(e, body) from None
+
+
+# -- validation errors -> one 400 ------------------------------------------------------
+
+#: pydantic's error types that say "not of that type" (the rest: "not that value")
+_TYPE_ERRORS = frozenset({
+    "string_type", "int_type", "float_type", "bool_type", "list_type", "dict_type",
+    "model_type", "model_attributes_type", "none_required", "int_from_float", "is_instance_of",
+    "union_tag_not_found", "union_tag_invalid", "dataclass_type", "tuple_type"})
+
+
+def _path(body: Any, loc: tuple[Any, ...], kind: str, extra: str = "") -> tuple[str, int]:
+    """``loc`` as the client's field path (``messages[0].content``) and its depth:
+    pydantic's labels for union members and validators, which are no field, left out."""
+    out, depth, here = "", 0, body
+    for i, part in enumerate(loc):
+        if isinstance(part, int) and isinstance(here, list) and 0 <= part < len(here):
+            out, here = f"{out}[{part}]", here[part]
+        elif isinstance(part, str) and isinstance(here, dict) and (
+                part in here or (kind == "missing" and i == len(loc) - 1)):
+            out, here = (f"{out}.{part}" if out else part), here.get(part)
+        else:
+            continue
+        depth += 1
+    if extra:
+        out, depth = (f"{out}.{extra}" if out else extra), depth + 1
+    return out, depth
+
+
+def _expected(message: str) -> str:
+    return message.removeprefix("Input should be ").removeprefix("Input should ")
+
+
+def from_validation(e: ValidationError, body: Any, names: Mapping[str, str] | None = None
+                    ) -> APIError:
+    """One 400 for a shape's validation errors: the deepest one (the union member that
+    came closest), ours first, in words that name the field, what it takes and what it
+    got. ``names`` renames paths (a field the dialect spells otherwise)."""
+    errors = e.errors(include_url=False)
+    rows = []
+    for err in errors:
+        ctx = err.get("ctx") or {}
+        extra = str(ctx.get("field") or "") if err["type"] in (
+            "unsupported_parameter", "invalid_value") else ""
+        path, depth = _path(body, tuple(err["loc"]), err["type"], extra)
+        ours = err["type"] in ("unsupported_parameter", "invalid_value")
+        rows.append((depth, ours, path, err))
+    depth, _, path, err = max(rows, key=lambda r: (r[0], r[1]))
+    path = (names or {}).get(path, path)
+    kind, ctx = err["type"], err.get("ctx") or {}
+    shown = path or "the request body"
+    if kind == "unsupported_parameter":
+        return unsupported(path, str(ctx.get("why", "")))
+    if kind == "invalid_value":
+        return bad_request(str(ctx.get("message")), path or None, code="invalid_value")
+    if kind == "missing":
+        return bad_request(f"Missing required parameter '{shown}'", path or None)
+    got = _shown_value(err.get("input"))
+    if kind in _TYPE_ERRORS:
+        wants = []
+        for d, _, p, other in rows:  # a union: every member's expectation at this path
+            if d == depth and p == path and other["type"] in _TYPE_ERRORS:
+                want = _expected(other["msg"])
+                if want not in wants:
+                    wants.append(want)
+        return bad_request(f"Invalid type for '{shown}': expected {' or '.join(wants)}, got "
+                           f"{got}", path or None, code="invalid_type")
+    return bad_request(f"Invalid '{shown}': {got} ({_expected(err['msg'])})", path or None,
+                       code="invalid_value")
+
+
+def _shown_value(value: Any) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# -- the one generation request ----------------------------------------------------------
+
+@dataclass
+class Generation:
+    """The library's one generation request, as every dialect translates into it: a
+    chat (``messages``) or a raw prompt (``prompt``), the sampling options set, the
+    structured-output options (``response_format``/``tools``/``tool_choice``, as
+    ``Model.stream`` takes them), and how the model is held (``context``,
+    ``keep_alive``). ``names`` maps the library's option names to the dialect's (for
+    its errors: ``max_tokens`` is Ollama's ``options.num_predict``)."""
+
+    model: str
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    structured: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    context: int | None = None
+    keep_alive: Any = "default"
+    fill: bool = False  # Ollama's num_predict < 0: as many tokens as the context holds
+    names: Mapping[str, str] = field(default_factory=dict)
+
+    def check(self) -> Generation:
+        """Everything the library would refuse, refused now, before any model loads: the
+        sampling values, the tools' and response format's JSON Schemas (compiled as the
+        engine will compile them), the messages."""
+        from localrun.errors import LocalrunError
+        from localrun.server.errors import from_localrun
+        from localrun.server.params import check_sampling
+        from localrun.templates import normalize_messages
+
+        check_sampling(self.sampling, self.names)
+        check_structured(self.structured, self.names)
+        if self.messages is not None:
+            try:
+                normalize_messages(self.messages)
+            except LocalrunError as e:
+                raise from_localrun(e, param=self.names.get("messages", "messages")) from None
+        return self
+
+    def call(self, handle: Any, token: Any) -> Any:
+        """Start it on a loaded model (a worker thread): a ``localrun.Stream``."""
+        sampling = self.sampling
+        if self.fill:
+            sampling = {**sampling, "max_tokens": handle.info.context_length}
+        if self.messages is not None:
+            return handle.stream(self.messages, cancel=token, **self.structured, **sampling)
+        return handle.stream(self.prompt or "", raw=True, cancel=token, **self.structured,
+                             **sampling)
+
+
+def check_structured(structured: Mapping[str, Any], names: Mapping[str, str]) -> None:
+    """The library's own check of ``response_format``/``tools``/``tool_choice``
+    (:func:`localrun.structured.output.prepare`: shapes, names, each JSON Schema compiled
+    by llguidance), with the field the error is about named in the dialect's words."""
+    if not structured:
+        return
+    from localrun.errors import LocalrunError
+    from localrun.server.errors import from_localrun
+    from localrun.structured.output import prepare
+
+    try:
+        prepare(**structured)
+    except LocalrunError as e:
+        param = "tools"
+        rf = structured.get("response_format")
+        if rf is not None and _refuses(prepare, rf):
+            param = "response_format"
+        elif "tool_choice" in e.message and "tools[" not in e.message:
+            param = "tool_choice"
+        raise from_localrun(e, param=names.get(param, param)) from None
+
+
+def _refuses(prepare: Callable[..., Any], response_format: Any) -> bool:
+    from localrun.errors import LocalrunError
+
+    try:
+        prepare(response_format=response_format)
+    except LocalrunError:
+        return True
+    return False
+
+
+# -- answering ---------------------------------------------------------------------------
+
+def dump(value: Any) -> Any:
+    """A response model as the JSON it sends (only the fields it was given)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", exclude_unset=True)
+    return value
+
+
+def event_json(value: BaseModel) -> str:
+    return value.model_dump_json(exclude_unset=True)
+
+
+async def respond(request: Any, endpoint: str, gen: Generation,
+                  wire: Callable[[Any], Any], whole: Callable[[Any, Any], Any], *,
+                  media_type: str = "text/event-stream") -> Any:
+    """Run ``gen`` (loading its model if need be) and answer: a stream of
+    ``wire(job)``'s bytes, or one JSON object ``whole(job, completion)``. A failure
+    before the first token is the answer's status; after it, the wire's error event."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    from localrun.server.jobs import Job
+
+    job, first = await Job.generate(request, endpoint, gen.model, gen.call,
+                                    context=gen.context, keep_alive=gen.keep_alive,
+                                    stream=gen.stream)
+    if gen.stream:
+        headers = SSE_HEADERS if media_type == "text/event-stream" else None
+        return StreamingResponse(job.pump(first, wire(job)), media_type=media_type,
+                                 headers=headers)
+    completion = await job.collect(first)
+    return JSONResponse(dump(whole(job, completion)))
