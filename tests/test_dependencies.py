@@ -52,7 +52,7 @@ ENGINE_MODULES: dict[str, str] = {
 #: ``import localrun`` and ``localrun --help`` leave them out). Declared in that extra.
 SERVE_MODULES: dict[str, str] = {
     "fastapi": "fastapi", "starlette": "starlette", "uvicorn": "uvicorn",
-    "prometheus_client": "prometheus-client",
+    "prometheus_client": "prometheus-client", "pydantic": "pydantic",
 }
 
 

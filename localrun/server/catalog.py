@@ -69,10 +69,30 @@ def loaded_entry(m: Loaded, paths: bool = False) -> dict[str, Any]:
     return {**entry, "path": i.path} if paths else entry
 
 
+def loaded_entries(st: ServerState, paths: bool) -> list[dict[str, Any]]:
+    """One entry per name loaded: copies of a model at other contexts (the manager keys
+    models by file and context) are that entry's ``contexts``; its ``context_length`` is
+    the largest, ``parallel`` their sum, ``expires_at`` the latest."""
+    by_name: dict[str, dict[str, Any]] = {}
+    for m in st.manager.models.values():
+        entry = loaded_entry(m, paths)
+        entry["contexts"] = [m.context or m.info.context_length]
+        first = by_name.setdefault(m.name, entry)
+        if first is entry:
+            continue
+        first["contexts"] = sorted({*first["contexts"], *entry["contexts"]})
+        first["context_length"] = max(first["context_length"], entry["context_length"])
+        first["parallel"] += entry["parallel"]
+        ends = [first["expires_at"], entry["expires_at"]]
+        first["expires_at"] = None if None in ends else max(ends)
+    return list(by_name.values())
+
+
 async def model_list(st: ServerState) -> list[dict[str, Any]]:
-    """/v1/models: loaded first (as requested), then everything on disk by its names."""
+    """/v1/models: loaded first (as requested), then everything on disk by its names;
+    each name once."""
     paths = shows_paths(st)
-    out = [loaded_entry(m, paths) for m in st.manager.models.values()]
+    out = loaded_entries(st, paths)
     seen = {e["id"] for e in out}
     for m in await asyncio.to_thread(disk_models):
         for name in names_of(m):

@@ -19,11 +19,19 @@ import secrets
 from collections.abc import Iterable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from localrun.server.errors import APIError
 from localrun.server.protocol.blocks import Block, BlockEvent, BlockWire, blocks_of, sse
-from localrun.server.protocol.common import Generation, Int, Passed, Shape, invalid, refused
+from localrun.server.protocol.common import (
+    Generation,
+    Int,
+    Passed,
+    Shape,
+    invalid,
+    never,
+    refused,
+)
 from localrun.types import Completion
 
 NAMES = {"stop": "stop_sequences", "response_format": "output_config.format"}
@@ -41,8 +49,10 @@ LATER_PARALLEL = ("not enforced: localrun lets a model make several calls in one
 # -- requests ------------------------------------------------------------------------------
 
 class OtherBlock(Shape):
-    """A content block of a type localrun does not take: refused, saying why."""
+    """A content block of a type localrun does not take (image, document, thinking, ...):
+    refused, saying why."""
 
+    model_config = ConfigDict(json_schema_extra=never)
     type: str
 
     def refuse(self) -> None:

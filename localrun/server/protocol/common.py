@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
-from pydantic_core import PydanticCustomError
 
 from localrun.server.errors import APIError, bad_request, unsupported
 from localrun.server.params import read_json
@@ -33,16 +32,62 @@ def _integral(value: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_integral)]
 
 
-def refused(name: str, why: str) -> PydanticCustomError:
+class Refusal(ValueError):
+    """Raised inside a shape's validation: a field it refuses (``kind``
+    "unsupported_parameter": declared but not supported yet, or not declared) or a value
+    of the right type it cannot take ("invalid_value"). ``field`` is the sub-field's name
+    ("" for the part itself), joined to the part's path in the 400."""
+
+    def __init__(self, kind: str, field: str, text: str) -> None:
+        super().__init__(text)
+        self.kind = kind
+        self.field = field
+        self.text = text
+
+
+def refused(name: str, why: str) -> Refusal:
     """A field a shape declares but localrun does not honour (yet), or one it does not
-    declare: raised inside validation, it becomes "Unsupported parameter 'PATH.name'"."""
-    return PydanticCustomError("unsupported_parameter", "{why}", {"field": name, "why": why})
+    declare: it becomes "Unsupported parameter 'PATH.name': why"."""
+    return Refusal("unsupported_parameter", name, why)
 
 
-def invalid(message: str, name: str | None = None) -> PydanticCustomError:
+def invalid(message: str, name: str | None = None) -> Refusal:
     """A value of the right type that the field cannot take (400, code invalid_value)."""
-    return PydanticCustomError("invalid_value", "{message}",
-                               {"message": message, "field": name or ""})
+    return Refusal("invalid_value", name or "", message)
+
+
+def _schema(schema: dict[str, Any], cls: type) -> None:
+    """A shape's JSON Schema says what it takes: the fields it accepts and ignores are
+    listed, a field not supported yet takes only null (or its one accepted value), and
+    (but for a :class:`Passed` part) no other field is allowed."""
+    props = schema.setdefault("properties", {})
+    for name in getattr(cls, "IGNORED", ()):
+        props.setdefault(name, {"description": "accepted; changes nothing"})
+    for name, (ok, why) in getattr(cls, "REFUSED", {}).items():
+        takes: list[dict[str, Any]] = [{"type": "null"}]
+        if ok is not None:
+            takes.append({"type": "object", "maxProperties": 0} if ok == {} else
+                         {"type": "array", "maxItems": 0} if ok == [] else {"const": ok})
+        props[name] = {"anyOf": takes, "description": f"not supported yet: {why}"}
+    if not (isinstance(cls, type) and issubclass(cls, Passed)):
+        schema["additionalProperties"] = False
+
+
+def takes_only(replacement: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """A field's JSON Schema replaced by ``replacement``: what it accepts, where its type
+    is wider so that what it refuses gets a 400 that says why (token arrays, images)."""
+    def apply(schema: dict[str, Any]) -> None:
+        schema.clear()
+        schema.update(replacement)
+
+    return apply
+
+
+def never(schema: dict[str, Any], cls: type) -> None:
+    """The JSON Schema of a part that is always refused (an image block): no value."""
+    schema.clear()
+    schema["not"] = {}
+    schema["description"] = str(cls.__doc__ or "").strip()
 
 
 class Shape(BaseModel):
@@ -58,7 +103,8 @@ class Shape(BaseModel):
     """
 
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False,
-                              protected_namespaces=(), populate_by_name=True)
+                              protected_namespaces=(), populate_by_name=True,
+                              json_schema_extra=_schema)
 
     IGNORED: ClassVar[tuple[str, ...]] = ()
     REFUSED: ClassVar[Mapping[str, tuple[Any, str]]] = {}
@@ -142,26 +188,24 @@ def from_validation(e: ValidationError, body: Any, names: Mapping[str, str] | No
     errors = e.errors(include_url=False)
     rows = []
     for err in errors:
-        ctx = err.get("ctx") or {}
-        extra = str(ctx.get("field") or "") if err["type"] in (
-            "unsupported_parameter", "invalid_value") else ""
-        path, depth = _path(body, tuple(err["loc"]), err["type"], extra)
-        ours = err["type"] in ("unsupported_parameter", "invalid_value")
-        rows.append((depth, ours, path, err))
-    depth, _, path, err = max(rows, key=lambda r: (r[0], r[1]))
+        ours = (err.get("ctx") or {}).get("error")
+        ours = ours if isinstance(ours, Refusal) else None
+        path, depth = _path(body, tuple(err["loc"]), err["type"], ours.field if ours else "")
+        rows.append((depth, ours is not None, path, err, ours))
+    depth, _, path, err, ours = max(rows, key=lambda r: (r[0], r[1]))
     path = (names or {}).get(path, path)
-    kind, ctx = err["type"], err.get("ctx") or {}
+    kind = err["type"]
     shown = path or "the request body"
-    if kind == "unsupported_parameter":
-        return unsupported(path, str(ctx.get("why", "")))
-    if kind == "invalid_value":
-        return bad_request(str(ctx.get("message")), path or None, code="invalid_value")
+    if ours is not None and ours.kind == "unsupported_parameter":
+        return unsupported(path, ours.text)
+    if ours is not None:
+        return bad_request(ours.text, path or None, code="invalid_value")
     if kind == "missing":
         return bad_request(f"Missing required parameter '{shown}'", path or None)
     got = _shown_value(err.get("input"))
     if kind in _TYPE_ERRORS:
         wants = []
-        for d, _, p, other in rows:  # a union: every member's expectation at this path
+        for d, _, p, other, _ in rows:  # a union: every member's expectation at this path
             if d == depth and p == path and other["type"] in _TYPE_ERRORS:
                 want = _expected(other["msg"])
                 if want not in wants:
@@ -250,7 +294,11 @@ def check_structured(structured: Mapping[str, Any], names: Mapping[str, str]) ->
             param = "response_format"
         elif "tool_choice" in e.message and "tools[" not in e.message:
             param = "tool_choice"
-        raise from_localrun(e, param=names.get(param, param)) from None
+        param = names.get(param, param)
+        error = from_localrun(e, param=param)
+        # named in the message too: not every dialect's error shape has a param field
+        error.message = f"Invalid '{param}': {error.message}"
+        raise error from None
 
 
 def _refuses(prepare: Callable[..., Any], response_format: Any) -> bool:

@@ -21,8 +21,8 @@ from pydantic import BaseModel, Field
 from localrun.server.config import parse_duration
 from localrun.server.errors import APIError, bad_request
 from localrun.server.jobs import Wire
-from localrun.server.protocol.common import Generation, Int, Passed, Shape
-from localrun.server.protocol.openai import ToolParam
+from localrun.server.protocol.common import Generation, Int, Passed, Shape, takes_only
+from localrun.server.protocol.openai import TEXT, TEXT_INPUTS, ToolParam
 from localrun.structured.calls import new_call_id
 from localrun.types import Chunk, Completion
 
@@ -194,7 +194,8 @@ class EmbedRequest(Shape):
     """``POST /api/embed``."""
 
     model: str
-    input: str | list[str] | list[Int] | list[list[Int]]
+    input: str | list[str] | list[Int] | list[list[Int]] = Field(
+        json_schema_extra=takes_only(TEXT_INPUTS))
     truncate: bool | None = None
     dimensions: Int | None = Field(default=None, ge=1)
     options: EmbedOptions | None = None
@@ -205,7 +206,7 @@ class EmbeddingsRequest(Shape):
     """``POST /api/embeddings`` (Ollama's older embedding route: one prompt)."""
 
     model: str
-    prompt: str
+    prompt: str = Field(json_schema_extra=takes_only(TEXT))
     keep_alive: str | float | None = None
     options: dict[str, Any] | None = None
 

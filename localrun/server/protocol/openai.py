@@ -19,13 +19,25 @@ from localrun import __version__
 from localrun.server.errors import APIError, bad_request, unsupported
 from localrun.server.jobs import Wire
 from localrun.server.protocol.blocks import sse
-from localrun.server.protocol.common import Generation, Int, Passed, Shape, invalid, refused
+from localrun.server.protocol.common import (
+    Generation,
+    Int,
+    Passed,
+    Shape,
+    invalid,
+    refused,
+    takes_only,
+)
 from localrun.types import Chunk, Completion
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "stop"}
 FINGERPRINT = f"localrun-{__version__}"
 LOGPROBS_LATER = "log probabilities are not available from every engine"
 PENALTY = "use repetition_penalty (localrun's, the same on every engine)"
+#: what a prompt or an embedding input takes (token arrays are refused, saying so)
+TEXT = {"type": "string", "minLength": 1}
+TEXT_INPUT = {"anyOf": [TEXT, {"type": "array", "items": TEXT, "minItems": 1, "maxItems": 1}]}
+TEXT_INPUTS = {"anyOf": [TEXT, {"type": "array", "items": TEXT, "minItems": 1}]}
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -50,8 +62,8 @@ class ToolCallParam(Passed):
 class ContentPart(Shape):
     """A part of a message's content: text parts only (localrun's engines take text)."""
 
-    type: str
-    text: str | None = None
+    type: str = Field(json_schema_extra=takes_only({"const": "text"}))
+    text: str | None = Field(default=None, json_schema_extra=takes_only({"type": "string"}))
 
     def refuse(self) -> None:
         if self.type != "text":
@@ -219,7 +231,8 @@ class ChatCompletionRequest(Sampled):
 class CompletionRequest(Sampled):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[Int] | list[list[Int]]
+    prompt: str | list[str] | list[Int] | list[list[Int]] = Field(
+        json_schema_extra=takes_only(TEXT_INPUT))
     echo: bool | None = None
     best_of: Int | None = None
     suffix: str | None = None
@@ -252,7 +265,8 @@ class EmbeddingRequest(Shape):
     """``POST /v1/embeddings``."""
 
     model: str
-    input: str | list[str] | list[Int] | list[list[Int]]
+    input: str | list[str] | list[Int] | list[list[Int]] = Field(
+        json_schema_extra=takes_only(TEXT_INPUTS))
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Int | None = Field(default=None, ge=1)
     user: str | None = None
