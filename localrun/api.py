@@ -24,6 +24,7 @@ from localrun.types import CancelToken, Completion, Message, ModelInfo, Sampling
 if TYPE_CHECKING:
     from localrun.batch import BatchInput
     from localrun.hub import FetchPlan, ProgressCallback
+    from localrun.presets import Preset
     from localrun.selection import Plan
 
 __all__ = ["Model", "Stream", "load", "make_sampling"]
@@ -34,10 +35,14 @@ class Model:
     (llama.cpp, MLX, OpenVINO GenAI, ExLlama, a remote server or vLLM) calls run together
     in its batch; elsewhere (ONNX Runtime GenAI) they queue up and run one at a time."""
 
-    def __init__(self, session: Session, sampling_defaults: Mapping[str, Any] | None = None
-                 ) -> None:
+    def __init__(self, session: Session, sampling_defaults: Mapping[str, Any] | None = None,
+                 *, preset: Preset | None = None) -> None:
         self.info: ModelInfo = session.info
         self._driver = Driver(session, sampling_defaults)
+        #: the preset this model was loaded as (``localrun.load("mybot")``), else None
+        self.preset = preset
+        if preset is not None:  # between the caller's values and the model's own
+            self._driver.defaults = {**self._driver.defaults, **preset.sampling}
 
     # -- public API -------------------------------------------------------------------
 
@@ -127,6 +132,8 @@ class Model:
         if raw:
             raw_plan(structured)  # tools need a chat turn: refuse now, not mid-stream
         msgs = None if raw else normalize_messages(messages)  # type: ignore[arg-type]
+        if msgs is not None and self.preset is not None:
+            msgs = self.preset.conversation(msgs)  # its system prompt, unless the caller's
         text = messages if isinstance(messages, str) and raw else None
         return self._stream(msgs, text, request, cancel or CancelToken(), structured, tokens)
 
@@ -187,6 +194,8 @@ class Model:
         from localrun.batch import run_batch
 
         structured = prepare(response_format, schema, tools, tool_choice)
+        if self.preset is not None:
+            items = self.preset.batch_items(items)
         return run_batch(self._driver, items, max_concurrency=max_concurrency, cancel=cancel,
                          sampling=sampling, structured=structured)
 
@@ -256,6 +265,8 @@ class Model:
 
         structured = prepare(response_format, schema, tools, tool_choice)
         msgs = normalize_messages(messages)
+        if self.preset is not None:
+            msgs = self.preset.conversation(msgs)
         with self._driver.exclusive() as session:
             plan = structured_plan(session, msgs, structured)
             return len(encode_prompt(session, msgs, None, plan).tokens)
@@ -313,8 +324,11 @@ def load(
     """Load a model and return a :class:`Model`.
 
     ``model`` is a local file or folder, or a name such as ``"smollm2:135m"``; ``None``
-    is the embedded default model. ``backend="auto"`` picks the engine for this host
-    and the model's format; naming one forces it (after the compatibility check).
+    is the embedded default model. A preset's name (``localrun create``) loads its
+    model with its context and engine, its sampling values as the model's defaults and
+    its system prompt where a conversation has none (:mod:`localrun.presets`).
+    ``backend="auto"`` picks the engine for this host and the model's format; naming
+    one forces it (after the compatibility check).
     ``context`` is the context window in tokens (default: the model's trained
     context, capped at 8192, on every engine). ``device`` is where it runs (``"cpu"``,
     ``"cuda:1"``, ``"GPU.1"``, ``"NPU"``, ...; default: the device the plan chose for this
@@ -329,8 +343,9 @@ def load(
     receives the plan before any download, ``progress`` receives download progress,
     ``quant`` picks a quant. A model that does not fit in memory is refused first.
     """
-    from localrun.backends import get_backend
+    from localrun.backends import canonical_backend, get_backend
     from localrun.backends.base import LoadRequest
+    from localrun.presets import lookup
     from localrun.resolve import resolve
 
     if context is not None and (isinstance(context, bool) or not isinstance(context, int)
@@ -339,6 +354,12 @@ def load(
                             hint="pass a number of tokens >= 16, e.g. context=4096")
     if max_concurrency is not None:
         _check_concurrency(max_concurrency)
+    preset = None
+    if backend == "auto" or canonical_backend(backend) != "remote":  # a server's own names
+        preset = lookup(model)
+    if preset is not None:  # its model, engine and context; the caller's own values win
+        model, backend, context, allow_unoptimized = preset.load_args(
+            backend, context, allow_unoptimized)
     target = resolve(model, backend=backend, context=context, quant=quant,
                      allow_unoptimized=allow_unoptimized, progress=progress, on_plan=on_plan)
     engine = get_backend(target.backend)
@@ -353,7 +374,7 @@ def load(
             options=engine_options,
         )
     )
-    loaded = Model(session, target.sampling_defaults)
+    loaded = Model(session, target.sampling_defaults, preset=preset)
     if max_concurrency is not None:
         loaded.limit_concurrency(max_concurrency)
     return loaded

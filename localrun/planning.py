@@ -59,7 +59,12 @@ def plan(
         LocalrunError,
         OfflineMissingError,
     )
+    from localrun.presets import lookup
 
+    preset = lookup(model) if backend.strip().lower() != "remote" else None
+    if preset is not None:  # a preset plans its model, engine and context
+        model, backend, context, allow_unoptimized = preset.load_args(
+            backend, context, allow_unoptimized)
     try:
         return plan_fetch(model, backend=backend, hardware=hardware, installed=installed,
                           prefer=prefer, allow_unoptimized=allow_unoptimized, context=context,

@@ -107,6 +107,7 @@ COMMANDS = (
     "plan",
     "pull",
     "models",
+    "manage",
     "generate",
     "bench",
     "serve",

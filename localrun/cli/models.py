@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -19,8 +20,10 @@ def list_models(
     """List downloaded models: name, format, quant, size, location and the engine that runs it.
 
     Models in the Hugging Face cache, Ollama's and LM Studio's stores, and
-    the embedded default model. A model downloaded by an alias or a base repo
-    id shows that name too (it runs by it, offline included), e.g.
+    the embedded default model; then presets (localrun create), each with
+    its model and what it sets (--json: "kind": "preset" lines). A model
+    downloaded by an alias or a base repo id shows that name too (it runs
+    by it, offline included), e.g.
     qwen2.5:0.5b above Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M.
 
     Examples:
@@ -44,8 +47,14 @@ def list_models(
     default = stores.default_model()
     if default is not None:
         found.append(default)
+    saved = _presets()
     if path_of is not None:
-        path = next((m.path for m in found if path_of in (m.name, *m.pulled_as)), None)
+        preset = next((p for p in saved if p.name.lower() == path_of.lower()), None)
+        model = preset.model if preset is not None else path_of  # a preset: its model's
+        path = next((m.path for m in found if model in (m.name, *m.pulled_as)), None)
+        if path is None and preset is not None and Path(model).is_absolute() \
+                and Path(model).exists():
+            path = model
         if path is None:
             from localrun.errors import LocalrunError
 
@@ -58,9 +67,15 @@ def list_models(
             d = asdict(m)
             d["engines"] = compat.native_backends(m.format)
             sys.stdout.write(json.dumps(d) + "\n")
+        for p in saved:
+            sys.stdout.write(json.dumps({"kind": "preset", **p.to_json()},
+                                        ensure_ascii=False) + "\n")
+        return
+    if not found and not saved:
+        Console(stderr=True).print("No models on disk yet. Try: localrun pull qwen2.5:0.5b")
         return
     if not found:
-        Console(stderr=True).print("No models on disk yet. Try: localrun pull qwen2.5:0.5b")
+        _show_presets(saved)
         return
     table = Table(box=None)
     for col in ("name", "format", "quant", "size", "engine", "location"):
@@ -73,12 +88,41 @@ def list_models(
         table.add_row(name, m.format, m.quant or "-", f"{m.size / 2**20:,.1f} MiB",
                       engines, escape(m.path))
     Console(soft_wrap=True).print(table)
+    if saved:
+        _show_presets(saved)
+
+
+def _presets() -> list[Any]:
+    """The saved presets; a presets file that cannot be read is one warning line."""
+    from localrun import presets
+
+    try:
+        return presets.all_presets()
+    except presets.PresetError as e:
+        sys.stderr.write(f"warning: presets not listed: {e.message}\n")
+        return []
+
+
+def _show_presets(saved: list[Any]) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from localrun.cli.manage import summary
+
+    table = Table(box=None, title="presets (localrun create)", title_justify="left")
+    for col in ("name", "from", "sets"):
+        table.add_column(col, overflow="fold")
+    for p in saved:
+        sets = summary(p).split(" · ", 1)[1:]
+        table.add_row(escape(p.name), escape(p.model), escape(sets[0] if sets else "-"))
+    Console(soft_wrap=True).print(table)
 
 
 def rm(
     model: Annotated[str, typer.Argument(help="A name you pulled (alias or Hub repo id, with "
-                                         "an optional :QUANT and @revision), or a Hub repo "
-                                         "id to remove that repo.")],
+                                         "an optional :QUANT and @revision), a Hub repo "
+                                         "id to remove that repo, or a preset's name.")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
 ) -> None:
     """Remove from the Hugging Face cache what a name was pulled as (nothing else).
@@ -88,7 +132,8 @@ def rm(
     A Hub repo id removes that repo (@revision: that revision; :QUANT: that quant's GGUF
     files). The cache is shared with transformers and other programs: whatever else of
     the model is cached is listed as kept, with the command that would remove it. Lists
-    what goes and what stays, then asks; --yes skips the question.
+    what goes and what stays, then asks; --yes skips the question. A preset's name
+    removes the preset only, never its model's files.
 
     Examples:
 
@@ -98,7 +143,15 @@ def rm(
 
       localrun rm Qwen/Qwen2.5-0.5B-Instruct@main
     """
-    from localrun import hub
+    from localrun import hub, presets
+
+    if presets.lookup(model) is not None:
+        from localrun.cli.manage import summary
+
+        gone = presets.remove(model)
+        typer.echo(f"Removed preset {gone.name} ({summary(gone)}); its model's files "
+                   f"stay (localrun rm {gone.model} removes them)", err=True)
+        return
 
     def mib(n: int) -> str:
         if n >= 2**30:

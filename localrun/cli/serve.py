@@ -97,7 +97,16 @@ def serve(
         "first.")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback --host "
                         "without --api-key.")] = False,
+    install_service: Annotated[bool, typer.Option(
+        "--install-service", help="Do not serve now: install these models and flags as a "
+        "service of yours that starts at login and restarts on failure (a systemd user unit "
+        "on Linux, a launchd agent on macOS) and start it. Again with other flags: replaces "
+        "it.")] = False,
+    uninstall_service: Annotated[bool, typer.Option(
+        "--uninstall-service", help="Stop the service --install-service installed and "
+        "remove it.")] = False,
     *,
+    ctx: typer.Context,
     loading: o.LoadingFlags,
 ) -> None:
     """Serve models over the OpenAI API (/v1) and the Ollama API (/api).
@@ -120,6 +129,8 @@ def serve(
       localrun serve qwen2.5:0.5b --port 9000 --keep-alive 30m
 
       LOCALRUN_API_KEY=secret localrun serve --host 0.0.0.0
+
+      localrun serve qwen2.5:0.5b --keep-alive 1h --install-service
     """
     from dataclasses import replace
 
@@ -150,6 +161,12 @@ def serve(
         insecure=insecure, backend=loading.backend, context=loading.context,
         allow_unoptimized=loading.allow_unoptimized)
     config.check()
+    if install_service or uninstall_service:
+        from localrun.cli._service import service_flags
+
+        service_flags(ctx, install=install_service, uninstall=uninstall_service,
+                      drain_timeout=config.drain_timeout)
+        return
     sock = bind(config.host, config.port)
     config = replace(config, port=sock.getsockname()[1])
     _setup_logging()
