@@ -10,7 +10,10 @@ Completions (median of the back-to-back differences), decode tokens/s (tokens af
 first / time after the first) and its ratio to Chat Completions (median of the ratios).
 
 Targets (issue 27): a streamed Messages (or Responses) request adds at most 5 ms TTFT and
-3% decode over Chat Completions.
+3% decode over Chat Completions. On a busy machine the HTTP numbers are noisy, so the
+layer's own work is timed too, in process and without a model (``--layer``): reading
+and checking a request (its shape, then the library's checks) and writing one streamed
+piece in the dialect's events.
 
     .venv/bin/python scripts/bench_dialects.py                    # 9 rounds x 48 tokens
     .venv/bin/python scripts/bench_dialects.py --runs 15 --tokens 64 --json out.json
@@ -153,14 +156,58 @@ def bench(path: str, runs: int, tokens: int, threads: int | None) -> dict[str, A
     return out
 
 
+def layer_costs(n: int = 5000) -> dict[str, dict[str, float]]:
+    """Microseconds the protocol layer spends, per request (shape + checks) and per
+    streamed piece (its events), for each dialect: no model, no HTTP."""
+    from localrun.server.protocol import anthropic as an
+    from localrun.server.protocol import ollama as ol
+    from localrun.server.protocol import openai as oa
+    from localrun.types import Chunk
+
+    class Job:  # what a Wire reads of its job
+        stream = None
+        t0 = 0.0
+
+    def per(f: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    piece = Chunk(" word")
+    messages = an.MessagesSSE(Job(), "msg_x", "m")
+    list(messages.begin())
+    wires: dict[str, Any] = {"chat.completions": oa.ChatSSE("c", "m", True),
+                             "messages": messages,
+                             "ollama.chat": ol.NDJSON(Job(), "m", True)}
+    shapes: dict[str, tuple[Any, Dialect]] = {
+        "chat.completions": (oa.ChatCompletionRequest, DIALECTS[0]),
+        "messages": (an.MessagesRequest, DIALECTS[1]),
+        "ollama.chat": (ol.ChatRequest, DIALECTS[2])}
+    out = {}
+    for name, (shape, d) in shapes.items():
+        body = d.body("m", prompt(1), 48)
+        out[name] = {"request_us": per(lambda s=shape, b=body: s.model_validate(b)
+                                       .generation()),
+                     "piece_us": per(lambda w=wires[name]: list(w.chunk(piece)))}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=9)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, help="engine threads (default: the engine's)")
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--layer", action="store_true", help="only the layer's own work")
     args = ap.parse_args()
 
+    layer = layer_costs()
+    for name, c in layer.items():
+        print(f"{name:18} layer: {c['request_us']:6.1f} us per request (shape + checks), "
+              f"{c['piece_us']:5.1f} us per streamed piece", flush=True)
+    if args.layer:
+        return 0
     from localrun.stores import default_model_path
 
     path = str(default_model_path())
@@ -175,7 +222,8 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "load_average": load, "cpus": os.cpu_count(), "threads": args.threads,
-            "runs": args.runs, "tokens": args.tokens, "results": res}, indent=2) + "\n")
+            "runs": args.runs, "tokens": args.tokens, "results": res, "layer": layer},
+            indent=2) + "\n")
     return 0
 
 
