@@ -200,3 +200,26 @@ def test_the_api_key_as_x_api_key_or_bearer(server_model: Any,
                  ).messages.count_tokens(model=MODEL, messages=Q)
         assert "Missing API key" in e.value.body["error"]["message"]
         assert "x-api-key" in e.value.body["error"]["message"]
+
+
+def test_a_failure_mid_stream_is_an_error_event(server_model: Any) -> None:
+    """The request timeout after the stream began: its last event is Anthropic's
+    ``error`` (the client raises it), and the server goes on serving."""
+    long_reply = {"type": "json_schema", "schema": {
+        "type": "array", "items": {"type": "integer"}, "minItems": 500}}
+    with serve(ServerConfig(request_timeout=1.0), preload={MODEL: server_model}) as s:
+        client = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0,
+                                     timeout=60)
+        kinds: list[str] = []
+        with pytest.raises(anthropic.APIStatusError) as e:
+            for event in client.messages.create(
+                    model=MODEL, max_tokens=4000, stream=True, messages=Q,
+                    extra_body={**GREEDY, "output_config": {"format": long_reply}}):
+                kinds.append(event.type)
+        body = e.value.body
+        assert body["type"] == "error" and body["error"]["type"] == "timeout_error", body
+        assert "timed out after 1 s" in body["error"]["message"]
+        if kinds:  # it failed after the stream began (else: a 504 before any event)
+            assert kinds[0] == "message_start" and "message_stop" not in kinds
+        r = client.messages.create(model=MODEL, max_tokens=2, messages=Q)
+        assert r.usage.output_tokens > 0
