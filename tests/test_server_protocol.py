@@ -118,7 +118,8 @@ def test_shapes_name_the_field_in_their_errors() -> None:
     assert e.param == "messages[0].content[0].content[0]" and "images" in e.message
     # accepted: null for an unknown field, an integral float, fields with no effect
     ok = oa.ChatCompletionRequest.model_validate({
-        "model": "m", "messages": Q, "max_tokens": 2.0, "whatever": None, "user": "u"})
+        "model": "m", "messages": Q, "max_tokens": 2.0, "whatever": None, "user": "u",
+        "prompt_cache_key": "k"})
     assert ok.max_tokens == 2 and isinstance(ok.max_tokens, int)
     an.MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "messages": Q,
                                        "metadata": {"user_id": "u"},

@@ -162,6 +162,8 @@ class Sampled(Shape):
     user: str | None = None
     metadata: dict[str, Any] | None = None
 
+    #: OpenAI's bookkeeping, as ``user`` and ``metadata``: accepted, no effect
+    IGNORED: ClassVar = ("prompt_cache_key", "safety_identifier")
     REFUSED: ClassVar = {
         "n": (1, "localrun returns one choice per request (send n=1 or leave it out)"),
         "logit_bias": ({}, "logit bias is not implemented"),
