@@ -9,15 +9,18 @@ batching) that lets several threads share a Model.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import Session
 from localrun.driver import Driver, Request, Stream
 from localrun.driver.sequence import token_ids
 from localrun.errors import LocalrunError, ModelClosedError
+from localrun.reasoning import reasoning_request, refuse
 from localrun.sampling import ResolvedSampling, make_sampling
-from localrun.structured.output import StructuredRequest, prepare, raw_plan
+from localrun.structured.output import prepare, raw_plan
 from localrun.templates import normalize_messages
 from localrun.types import CancelToken, Completion, Message, ModelInfo, Sampling
 
@@ -36,13 +39,22 @@ class Model:
     in its batch; elsewhere (ONNX Runtime GenAI) they queue up and run one at a time."""
 
     def __init__(self, session: Session, sampling_defaults: Mapping[str, Any] | None = None,
-                 *, preset: Preset | None = None) -> None:
+                 *, chat_template: str | None = None, reasoning: str | None = None,
+                 preset: Preset | None = None) -> None:
         self.info: ModelInfo = session.info
-        self._driver = Driver(session, sampling_defaults)
+        self._driver = Driver(session, sampling_defaults, chat_template, reasoning)
         #: the preset this model was loaded as (``localrun.load("mybot")``), else None
         self.preset = preset
         if preset is not None:  # between the caller's values and the model's own
             self._driver.defaults = {**self._driver.defaults, **preset.sampling}
+
+    @property
+    def reasoning(self) -> str | None:
+        """How the model thinks: the name of its reasoning format
+        (:data:`localrun.reasoning.FORMATS`: "qwen3", "deepseek-r1", ...), read from its
+        chat template or the catalog; None for a model that does not think."""
+        fmt = self._driver.chat.reasoning
+        return fmt.name if fmt is not None else None
 
     # -- public API -------------------------------------------------------------------
 
@@ -55,6 +67,10 @@ class Model:
         schema: Any = None,
         tools: Sequence[Any] | None = None,
         tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
+        think: bool | None = None,
+        reasoning_effort: str | None = None,
+        thinking_budget: int | None = None,
         **sampling: Any,
     ) -> Completion:
         """Reply to a conversation (or a single user message) with the chat template.
@@ -69,11 +85,27 @@ class Model:
         ``Completion.tool_calls`` with ``finish_reason="tool_calls"``; send results back
         as ``{"role": "tool", "tool_call_id": ..., "content": ...}`` messages. Schemas and
         forced calls are enforced by constrained decoding; an engine that cannot
-        enforce them raises instead of answering unconstrained.
+        enforce them raises instead of answering unconstrained. "auto" may make several
+        calls, "required" one, or several with ``parallel_tool_calls=True`` (OpenAI's
+        "required" with parallel calls); ``parallel_tool_calls=False`` allows one at
+        most: the grammar ends the reply after the first call, and where calls are
+        parsed as written only the first is kept.
+
+        Thinking models (:attr:`reasoning` is not None: Qwen3, DeepSeek-R1, ...): the
+        thinking comes back apart, in ``Completion.reasoning`` (``usage.reasoning_tokens``
+        counts it), the answer in ``text``. ``think=False`` switches it off (the
+        template's switch, or an empty thinking block); ``thinking_budget=N`` ends it
+        after N tokens with the model's own end marker, and the answer follows;
+        ``reasoning_effort`` ("none", "minimal", "low", "medium", "high") is a budget by
+        name (:data:`localrun.reasoning.EFFORT_BUDGETS`). ``max_tokens`` bounds thinking
+        and answer together. Asking a model that does not think to think raises
+        InvalidSamplingError; a schema or a tool call constrains the answer alone.
         """
         return self.stream(messages, cancel=cancel, response_format=response_format,
                            schema=schema, tools=tools, tool_choice=tool_choice,
-                           **sampling).join()
+                           parallel_tool_calls=parallel_tool_calls, think=think,
+                           reasoning_effort=reasoning_effort,
+                           thinking_budget=thinking_budget, **sampling).join()
 
     def complete(
         self, prompt: str | Sequence[int], *, cancel: CancelToken | None = None,
@@ -101,6 +133,10 @@ class Model:
         schema: Any = None,
         tools: Sequence[Any] | None = None,
         tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
+        think: bool | None = None,
+        reasoning_effort: str | None = None,
+        thinking_budget: int | None = None,
         **sampling: Any,
     ) -> Stream:
         """Stream a reply as :class:`Chunk` objects. ``raw=True`` skips the chat template.
@@ -109,7 +145,9 @@ class Model:
         repetition_penalty, seed, stop. Unset options take the model's own defaults.
         Structured output and tools as for :meth:`chat`; tool calls stream as
         ``Chunk.tool_calls`` deltas (a stable ``index``, the id and name first, then
-        argument fragments that concatenate to the call's JSON arguments).
+        argument fragments that concatenate to the call's JSON arguments). A thinking
+        model's thinking streams first, in chunks whose ``reasoning`` holds it (``kind``
+        "reasoning"), then the answer in ``text``; the options as for :meth:`chat`.
 
         Log probabilities: ``logprobs=True`` fills ``Completion.logprobs`` (and each
         chunk's ``logprobs``) with every chosen token's, ``top_logprobs=k`` (at most 20)
@@ -128,14 +166,19 @@ class Model:
         if request.echo and not raw:
             raise LocalrunError("echo=True takes a raw prompt, not a conversation",
                                 hint="use Model.complete(prompt, echo=True)")
-        structured = prepare(response_format, schema, tools, tool_choice)
+        structured = prepare(response_format, schema, tools, tool_choice,
+                             parallel_tool_calls)
+        reasoning = reasoning_request(think, reasoning_effort, thinking_budget)
         if raw:
             raw_plan(structured)  # tools need a chat turn: refuse now, not mid-stream
+            if reasoning is not None and reasoning.think:
+                raise refuse(reasoning, "a raw prompt has no chat template to think in")
         msgs = None if raw else normalize_messages(messages)  # type: ignore[arg-type]
         if msgs is not None and self.preset is not None:
             msgs = self.preset.conversation(msgs)  # its system prompt, unless the caller's
         text = messages if isinstance(messages, str) and raw else None
-        return self._stream(msgs, text, request, cancel or CancelToken(), structured, tokens)
+        return self._driver.stream(Request(msgs, text, request, structured, tokens, reasoning),
+                                   cancel or CancelToken())
 
     def batch(
         self,
@@ -147,6 +190,10 @@ class Model:
         schema: Any = None,
         tools: Sequence[Any] | None = None,
         tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
+        think: bool | None = None,
+        reasoning_effort: str | None = None,
+        thinking_budget: int | None = None,
         **sampling: Any,
     ) -> list[Completion]:
         """Reply to many prompts; the Completions come back in input order.
@@ -158,7 +205,8 @@ class Model:
         :class:`localrun.batch.BatchError` is raised once all have run: its ``results``
         hold every Completion and each failed item's error. ``cancel`` ends the batch:
         items in flight and those not started finish with ``finish_reason="cancelled"``.
-        ``response_format``/``schema``/``tools``/``tool_choice`` (as for :meth:`chat`)
+        ``response_format``/``schema``/``tools``/``tool_choice``/``parallel_tool_calls``
+        and ``think``/``reasoning_effort``/``thinking_budget`` (as for :meth:`chat`)
         apply to every item.
         """
         from localrun.batch import BatchError
@@ -166,7 +214,9 @@ class Model:
         results: dict[int, Completion | LocalrunError] = dict(
             self.batch_iter(items, max_concurrency=max_concurrency, cancel=cancel,
                             response_format=response_format, schema=schema, tools=tools,
-                            tool_choice=tool_choice, **sampling))
+                            tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                            think=think, reasoning_effort=reasoning_effort,
+                            thinking_budget=thinking_budget, **sampling))
         ordered = [results[i] for i in range(len(results))]
         if any(isinstance(r, LocalrunError) for r in ordered):
             raise BatchError(ordered)
@@ -182,6 +232,10 @@ class Model:
         schema: Any = None,
         tools: Sequence[Any] | None = None,
         tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
+        think: bool | None = None,
+        reasoning_effort: str | None = None,
+        thinking_budget: int | None = None,
         **sampling: Any,
     ) -> Iterator[tuple[int, Completion | LocalrunError]]:
         """Like :meth:`batch`, but yield ``(index, result)`` as each item finishes.
@@ -193,11 +247,13 @@ class Model:
         """
         from localrun.batch import run_batch
 
-        structured = prepare(response_format, schema, tools, tool_choice)
+        structured = prepare(response_format, schema, tools, tool_choice,
+                             parallel_tool_calls)
+        reasoning = reasoning_request(think, reasoning_effort, thinking_budget)
         if self.preset is not None:
             items = self.preset.batch_items(items)
         return run_batch(self._driver, items, max_concurrency=max_concurrency, cancel=cancel,
-                         sampling=sampling, structured=structured)
+                         sampling=sampling, structured=structured, reasoning=reasoning)
 
     @property
     def defaults(self) -> ResolvedSampling:
@@ -300,11 +356,6 @@ class Model:
             raise ModelClosedError()
         return session
 
-    def _stream(self, messages: list[Message] | None, text: str | None, request: Sampling,
-                cancel: CancelToken, structured: StructuredRequest | None = None,
-                tokens: tuple[int, ...] | None = None) -> Stream:
-        return self._driver.stream(Request(messages, text, request, structured, tokens),
-                                   cancel)
 
 
 def load(
@@ -319,6 +370,7 @@ def load(
     quant: str | None = None,
     progress: ProgressCallback | None = None,
     on_plan: Callable[[Plan, FetchPlan], None] | None = None,
+    chat_template: str | os.PathLike[str] | None = None,
     **engine_options: Any,
 ) -> Model:
     """Load a model and return a :class:`Model`.
@@ -342,6 +394,11 @@ def load(
     for this machine and downloaded into the Hugging Face cache first: ``on_plan``
     receives the plan before any download, ``progress`` receives download progress,
     ``quant`` picks a quant. A model that does not fit in memory is refused first.
+
+    ``chat_template`` replaces the model's own chat template (Jinja source, or a path to
+    a ``.jinja`` file), on every engine: localrun then renders each conversation with it
+    (as llama-server's ``--chat-template-file``). A template that thinks makes the model
+    a thinking model (:attr:`Model.reasoning`).
     """
     from localrun.backends import canonical_backend, get_backend
     from localrun.backends.base import LoadRequest
@@ -360,6 +417,7 @@ def load(
     if preset is not None:  # its model, engine and context; the caller's own values win
         model, backend, context, allow_unoptimized = preset.load_args(
             backend, context, allow_unoptimized)
+    template = read_template(chat_template) if chat_template is not None else None
     target = resolve(model, backend=backend, context=context, quant=quant,
                      allow_unoptimized=allow_unoptimized, progress=progress, on_plan=on_plan)
     engine = get_backend(target.backend)
@@ -374,7 +432,8 @@ def load(
             options=engine_options,
         )
     )
-    loaded = Model(session, target.sampling_defaults, preset=preset)
+    loaded = Model(session, target.sampling_defaults, chat_template=template,
+                   reasoning=target.reasoning, preset=preset)
     if max_concurrency is not None:
         loaded.limit_concurrency(max_concurrency)
     return loaded
@@ -386,3 +445,24 @@ def _check_concurrency(n: Any) -> int:
                             hint="pass the most sequences to run at once, >= 1, e.g. "
                                  "max_concurrency=4")
     return n
+
+
+def read_template(value: str | os.PathLike[str]) -> str:
+    """A chat template's Jinja source, from itself or from its file; checked now (a
+    template that does not compile fails here, not at the first call)."""
+    from localrun.errors import ChatTemplateError
+    from localrun.templates import check_template
+
+    source = value
+    if isinstance(value, os.PathLike) or (isinstance(value, str) and "{" not in value):
+        try:
+            source = Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise LocalrunError(f"Cannot read the chat template {str(value)!r}: "
+                                f"{getattr(e, 'strerror', None) or e}",
+                                hint="pass a .jinja file's path, or the template's Jinja "
+                                "source itself") from e
+    if not isinstance(source, str) or not source.strip():
+        raise ChatTemplateError("the chat template is empty")
+    check_template(source)
+    return source

@@ -21,6 +21,7 @@ from typing import Any
 from localrun.driver import BatchResult, Driver, Request
 from localrun.driver.sequence import token_ids
 from localrun.errors import LocalrunError
+from localrun.reasoning import ReasoningRequest, refuse
 from localrun.sampling import make_sampling
 from localrun.structured.output import StructuredRequest
 from localrun.templates import normalize_messages
@@ -70,8 +71,8 @@ class BatchError(LocalrunError):
         return [r if isinstance(r, Completion) else None for r in self.results]
 
 
-def _request(item: object, base: Sampling, structured: StructuredRequest | None
-             ) -> Request:
+def _request(item: object, base: Sampling, structured: StructuredRequest | None,
+             reasoning: ReasoningRequest | None = None) -> Request:
     raw = False
     overrides: Mapping[str, Any] = {}
     if isinstance(item, BatchItem):
@@ -80,6 +81,8 @@ def _request(item: object, base: Sampling, structured: StructuredRequest | None
         value = item  # type: ignore[assignment]
     request = make_sampling(base, **overrides)
     if raw:
+        if reasoning is not None and reasoning.think:
+            raise refuse(reasoning, "a raw prompt has no chat template to think in")
         if isinstance(value, str):
             return Request(None, value, request, structured)
         tokens = token_ids(value)  # lm-evaluation-harness sends token ids
@@ -87,7 +90,7 @@ def _request(item: object, base: Sampling, structured: StructuredRequest | None
             raise LocalrunError("raw=True takes a prompt string or a non-empty list of "
                                 "token ids", hint="pass the text itself, or its token ids")
         return Request(None, None, request, structured, tokens)
-    return Request(normalize_messages(value), None, request, structured)
+    return Request(normalize_messages(value), None, request, structured, None, reasoning)
 
 
 def run_batch(
@@ -98,6 +101,7 @@ def run_batch(
     cancel: CancelToken | None,
     sampling: Mapping[str, Any],
     structured: StructuredRequest | None = None,
+    reasoning: ReasoningRequest | None = None,
 ) -> Iterator[tuple[int, BatchResult]]:
     """Validate the batch-wide arguments now; return the iterator of results."""
     if max_concurrency is not None and (
@@ -111,7 +115,7 @@ def run_batch(
     invalid: list[tuple[int, BatchResult]] = []
     for i, item in enumerate(list(items)):
         try:
-            jobs.append((i, _request(item, base, structured)))
+            jobs.append((i, _request(item, base, structured, reasoning)))
         except LocalrunError as e:
             invalid.append((i, e))
     return _iterate(driver, invalid, jobs, max_concurrency, cancel or CancelToken())

@@ -62,6 +62,9 @@ class CatalogEntry:
     #: parameters in billions, for entries whose names do not say (``phi4-mini``); a
     #: plan made without the Hub sizes the model from it
     params_b: float | None = None
+    #: how the model thinks (a format of :data:`localrun.reasoning.FORMATS`), used where
+    #: its chat template does not say; None: it does not think
+    reasoning: str | None = None
 
     def variants_for(self, format: str) -> list[Variant]:
         """Known variants in ``format``: verified ones first, in catalog order."""
@@ -83,7 +86,7 @@ def _entry(alias: str, raw: dict[str, Any]) -> CatalogEntry:
                         names=tuple(raw.get("names", ())), variants=variants,
                         sampling=dict(raw.get("sampling", {})),
                         model_names=tuple(raw.get("model_names", ())),
-                        params_b=raw.get("params_b"))
+                        params_b=raw.get("params_b"), reasoning=raw.get("reasoning"))
 
 
 @cache

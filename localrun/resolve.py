@@ -17,7 +17,7 @@ from localrun.errors import (
 )
 from localrun.formats import compat
 from localrun.formats.detect import DetectedModel, detect
-from localrun.identity import card_sampling
+from localrun.identity import card_sampling, identify
 from localrun.refs import DEFAULT_NAMES, default_serves, is_default_name, local_path, parse_ref
 from localrun.stores import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_SAMPLING, default_model_path
 
@@ -37,6 +37,8 @@ class Target:
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     #: the device the plan chose for this host ("GPU.1", "cuda:0", "cpu"); None: unplanned
     device: str | None = None
+    #: how the catalog says the model thinks (localrun.reasoning), where it knows it
+    reasoning: str | None = None
 
 
 def resolve(
@@ -127,8 +129,9 @@ def resolve_local(
     # planned is what the engine gets.
     if plan is None:
         plan = _plan_local(found, display, allow_unoptimized, name)
+    entry = identify(found)
     return Target(found.path, found.format, name, found.quantization, level, known,
-                  plan.device)
+                  plan.device, entry.reasoning if entry is not None else None)
 
 
 def default_model_path_or_none() -> Path | None:

@@ -49,6 +49,14 @@ def _compile(source: str) -> Any:
     return env.from_string(source)
 
 
+def check_template(source: str) -> None:
+    """Raise ChatTemplateError if ``source`` is no Jinja template localrun can render."""
+    try:
+        _compile(source)
+    except Exception as e:  # jinja2's TemplateSyntaxError
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from e
+
+
 def render_chat(
     template: str | None,
     messages: Sequence[Message] | Sequence[Mapping[str, Any]],
@@ -57,13 +65,17 @@ def render_chat(
     eos_token: str = "",
     add_generation_prompt: bool = True,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    variables: Mapping[str, Any] | None = None,
 ) -> str:
     """Render ``messages`` with the model's template (ChatML when it has none).
 
     ``tools`` (OpenAI function dicts) go to templates that render them, as transformers'
-    ``apply_chat_template(tools=...)`` passes them.
+    ``apply_chat_template(tools=...)`` passes them; ``variables`` are more template
+    variables, as its other keyword arguments (``enable_thinking=False``).
     """
-    extra: dict[str, Any] = {} if tools is None else {"tools": list(tools)}
+    extra: dict[str, Any] = dict(variables or {})
+    if tools is not None:
+        extra["tools"] = list(tools)
     try:
         return str(
             _compile(template or CHATML).render(
@@ -78,6 +90,17 @@ def render_chat(
         raise ChatTemplateError(e.reason, messages) from None
     except Exception as e:  # jinja2's TemplateError, or e.g. a TypeError inside the template
         raise ChatTemplateError(str(e) or type(e).__name__, messages) from e
+
+
+#: Message keys kept besides role, content and tool_calls (each a string), and what each is.
+_STRING_KEYS = {
+    "tool_call_id": "pass the id of the tool call this result answers (ToolCall.id)",
+    "name": "pass the name of the tool whose result this is",
+    # an earlier reply's thinking (Completion.reasoning): templates that show it in the
+    # turn being built (Qwen3, between tool calls) read it
+    "reasoning_content": "pass the thinking of that reply (Completion.reasoning), or leave "
+                         "it out",
+}
 
 
 def normalize_messages(messages: object) -> list[Message]:
@@ -109,12 +132,11 @@ def normalize_messages(messages: object) -> list[Message]:
         msg: Message = {"role": m["role"], "content": content}  # type: ignore[typeddict-item]
         if calls:
             msg["tool_calls"] = _tool_calls(i, calls)
-        for key in ("tool_call_id", "name"):
-            if key in m:
+        for key, what in _STRING_KEYS.items():
+            if key in m and not (key == "reasoning_content" and m[key] is None):
                 if not isinstance(m[key], str):
                     raise LocalrunError(f"Message {i}: {key} must be a string, got {m[key]!r}",
-                                        hint="pass the id of the tool call this result "
-                                        "answers (ToolCall.id)")
+                                        hint=what)
                 msg[key] = m[key]  # type: ignore[literal-required]
         out.append(msg)
     return out

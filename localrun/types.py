@@ -27,6 +27,8 @@ class Message(_MessageRequired, total=False):
     tool_calls: list[dict[str, Any]]
     tool_call_id: str
     name: str
+    #: an assistant turn's thinking (``Completion.reasoning``), for templates that show it
+    reasoning_content: str
 
 
 #: Most alternatives ``top_logprobs`` may ask for per token (OpenAI's limit).
@@ -116,8 +118,25 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int = 0
 
 @dataclass(frozen=True)
 class Usage:
+    """Tokens of one call. ``completion_tokens`` counts the whole reply, its thinking
+    included (as OpenAI counts it); ``reasoning_tokens`` the thinking alone (OpenAI's
+    ``completion_tokens_details.reasoning_tokens``), 0 for a model that did not think."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    def __repr__(self) -> str:  # a model that does not think shows what it always did
+        extra = f", reasoning_tokens={self.reasoning_tokens}" if self.reasoning_tokens else ""
+        return (f"Usage(prompt_tokens={self.prompt_tokens}, "
+                f"completion_tokens={self.completion_tokens}{extra})")
+
+    def to_dict(self) -> dict[str, int]:
+        """The counts as a dict; ``reasoning_tokens`` only where the model thought."""
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        if self.reasoning_tokens:
+            out["reasoning_tokens"] = self.reasoning_tokens
+        return out
 
     @property
     def total_tokens(self) -> int:
@@ -146,6 +165,11 @@ class Chunk:
     ``tool_calls`` holds the tool-call pieces of this chunk: each call's first delta has
     its ``index``, ``id`` and ``name``, later ones argument fragments (see
     :class:`ToolCallDelta`).
+
+    A thinking model's reply streams its thinking first, in chunks whose ``reasoning``
+    holds it (their ``text`` is ""), then its answer in ``text``: no chunk holds both,
+    and ``kind`` says which one a chunk is. A consumer that shows ``text`` alone shows
+    the answer alone.
     """
 
     text: str
@@ -156,6 +180,13 @@ class Chunk:
     #: with ``logprobs=True``: the tokens whose text this chunk brings (or the chunks
     #: before it brought), in order, each at most once over the stream
     logprobs: tuple[TokenLogprob, ...] = ()
+    #: a piece of the model's thinking (``Completion.reasoning``), never the answer
+    reasoning: str = ""
+
+    @property
+    def kind(self) -> Literal["text", "reasoning"]:
+        """"reasoning" for a piece of thinking, "text" for the answer (and the last chunk)."""
+        return "reasoning" if self.reasoning else "text"
 
 
 @dataclass(frozen=True)
@@ -169,7 +200,11 @@ class Completion:
     chose, in order: each reply token, and the end-of-sequence token when the reply ended
     on one (its text is empty; ``usage.completion_tokens`` does not count it), as vLLM
     reports it. ``prompt_logprobs`` (``complete(..., echo=True)``) holds the prompt's
-    tokens, the first with ``logprob=None``. None where they were not asked for."""
+    tokens, the first with ``logprob=None``. None where they were not asked for.
+
+    ``reasoning`` is a thinking model's thinking (its ``<think>`` block, without the
+    markers), apart from ``text``; None when the reply has no thinking (the model does
+    not think, or ``think=False``). ``usage.reasoning_tokens`` counts it."""
 
     text: str
     finish_reason: FinishReason
@@ -179,10 +214,14 @@ class Completion:
     parsed: Any = field(default=None, compare=False)
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    reasoning: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        skip = ("tool_calls", "parsed", "logprobs", "prompt_logprobs")
+        skip = ("tool_calls", "parsed", "logprobs", "prompt_logprobs", "reasoning")
         out = {k: v for k, v in asdict(self).items() if k not in skip}
+        out["usage"] = self.usage.to_dict()
+        if self.reasoning is not None:
+            out["reasoning"] = self.reasoning
         if self.tool_calls:
             out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         for name in ("logprobs", "prompt_logprobs"):

@@ -151,9 +151,24 @@ def _print_reply(stream: Any, reply: _Reply) -> None:
     """
     from localrun.repetition import find_cycle, strip_cycle
 
+    # a thinking model's thinking: dimmed before the answer in a terminal, else on stderr
+    # (stdout keeps the answer alone); never kept in the conversation
+    tty = sys.stdout.isatty()
+    think_out = sys.stdout if tty else sys.stderr
+    thinking = False
     for chunk in stream:
         if reply.note is not None or reply.interrupted:  # cancelled: wait for the last chunk
             continue
+        if chunk.reasoning:
+            if not thinking:
+                think_out.write("\x1b[2m" if tty else "")
+                thinking = True
+            think_out.write(chunk.reasoning)
+            think_out.flush()
+            continue
+        if thinking:
+            think_out.write("\x1b[0m\n\n" if tty else "\n")
+            thinking = False
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         reply.text += chunk.text
@@ -163,6 +178,8 @@ def _print_reply(stream: Any, reply: _Reply) -> None:
             reply.text = strip_cycle(reply.text, cycle)
             reply.note = (f"stopped: the reply was repeating {_quoted(cycle.unit)} "
                           f"({cycle.repeats} times in a row)")
+    if thinking:
+        think_out.write("\x1b[0m\n" if tty else "\n")
     c = stream.completion
     if reply.note is None and c is not None and c.finish_reason == "length":
         reply.note = (f"the reply reached the {c.usage.completion_tokens}-token limit; "
@@ -211,6 +228,8 @@ def chat(
 
     options = sampling.kwargs()
     structured = prompting.structured()
+    options.update(prompting.thinking())
+    template = prompting.template()
     convert = f"convert it first: {CONVERT} FILE | localrun chat"
     prompting.check_system()
     interactive = sys.stdin.isatty()
@@ -219,7 +238,7 @@ def chat(
         if not text.strip():
             raise LocalrunError("No input on stdin", hint='echo "your question" | localrun chat')
 
-    with loading.load(model, remote) as m:
+    with loading.load(model, remote, chat_template=template) as m:
         if "max_tokens" not in options and _is_embedded(m):
             options["max_tokens"] = EMBEDDED_CHAT_MAX_TOKENS
         history: list[dict[str, str]] = []

@@ -366,10 +366,12 @@ def _rewrite_without(path: Path, drop_keys: set[str]) -> None:
 
 
 def _result(rec: Record, c: Any) -> dict[str, Any]:
-    return {"id": rec.id, "text": c.text, "finish_reason": c.finish_reason,
-            "usage": {"prompt_tokens": c.usage.prompt_tokens,
-                      "completion_tokens": c.usage.completion_tokens},
-            "timings": {k: round(v, 6) for k, v in vars(c.timings).items()}}
+    out = {"id": rec.id, "text": c.text, "finish_reason": c.finish_reason,
+           "usage": c.usage.to_dict(),
+           "timings": {k: round(v, 6) for k, v in vars(c.timings).items()}}
+    if c.reasoning is not None:  # a thinking model's thinking, apart from the answer
+        out["reasoning"] = c.reasoning
+    return out
 
 
 def _failure(rec: Record, message: str, kind: str = "InvalidInput",
@@ -479,6 +481,8 @@ def generate(
                             hint="write the results to another file")
     options = sampling.kwargs()  # checked before reading or loading anything
     structured = prompting.structured()
+    options.update(prompting.thinking())
+    template = prompting.template()
     prompting.check_system()
 
     records = read_input(input, input_format, prompting.system)  # type: ignore[arg-type]
@@ -507,7 +511,7 @@ def generate(
                       highlight=False)
             return
 
-        with loading.load(model, remote) as m:
+        with loading.load(model, remote, chat_template=template) as m:
             out = Output(output, previous.size, redo & {r.key for r in todo})
             try:
                 _run(m, out, todo, {**structured, **options}, concurrency, fail_fast, progress,

@@ -102,6 +102,38 @@ class PromptFlags(OptionGroup):
     json_object: Annotated[bool, typer.Option(
         "--json-object", help="Reply with one JSON object (any keys), enforced by "
         "constrained decoding.")] = False
+    think: Annotated[bool | None, typer.Option(
+        "--think/--no-think", help="A thinking model (Qwen3, DeepSeek-R1, ...) thinks, or "
+        "answers at once (default: its template's own choice). The thinking goes to "
+        "stderr, dimmed; the answer to stdout.")] = None
+    thinking_budget: Annotated[int | None, typer.Option(
+        "--thinking-budget", help="Most tokens of thinking: at N the thinking is closed and "
+        "the answer follows (0 = no thinking). --max-tokens counts both.",
+        min=0)] = None
+    reasoning_effort: Annotated[str | None, typer.Option(
+        "--reasoning-effort", help="Thinking budget by name: none, minimal (256 tokens), "
+        "low (1024), medium (4096), high (no budget of its own).")] = None
+    chat_template: Annotated[Path | None, typer.Option(
+        "--chat-template", help="Render conversations with this Jinja chat template file "
+        "instead of the model's own.")] = None
+
+    def thinking(self) -> dict[str, Any]:
+        """``think``/``thinking_budget``/``reasoning_effort`` as given, checked now."""
+        from localrun.reasoning import reasoning_request
+
+        out = {k: v for k, v in (("think", self.think),
+                                 ("thinking_budget", self.thinking_budget),
+                                 ("reasoning_effort", self.reasoning_effort)) if v is not None}
+        reasoning_request(**out)
+        return out
+
+    def template(self) -> str | None:
+        """The --chat-template file's source, read and checked before any model loads."""
+        if self.chat_template is None:
+            return None
+        from localrun.api import read_template
+
+        return read_template(self.chat_template)
 
     def check_system(self) -> None:
         if self.system is not None:
@@ -149,7 +181,8 @@ class LoadingFlags(OptionGroup):
         "--allow-unoptimized",
         help="Let an engine load a format it runs without its optimized kernels.")] = False
 
-    def load(self, model: str | None, remote: RemoteFlags | None = None) -> Any:
+    def load(self, model: str | None, remote: RemoteFlags | None = None,
+             chat_template: str | None = None) -> Any:
         """Load for a command: explain a Hub plan and show download progress on stderr,
         and turn the "runs without optimized kernels" warning into one line."""
         import sys
@@ -175,7 +208,8 @@ class LoadingFlags(OptionGroup):
             warnings.simplefilter("always", UnoptimizedFormatWarning)
             model_obj = load(model, backend=backend, context=self.context,
                              allow_unoptimized=self.allow_unoptimized, on_plan=on_plan,
-                             progress=bar.report, **engine_options)
+                             progress=bar.report, chat_template=chat_template,
+                             **engine_options)
         for w in caught:
             if issubclass(w.category, UnoptimizedFormatWarning):
                 sys.stderr.write(f"warning: {w.message}\n")

@@ -57,17 +57,19 @@ def run(
         raise LocalrunError("The prompt is empty", hint=f"localrun run {model} \"your question\"")
     options = sampling.kwargs()  # checked before loading anything
     structured = prompting.structured()
+    thinking = prompting.thinking()
+    template = prompting.template()
     system = prompting.system
-    with loading.load(model, remote) as m:
+    with loading.load(model, remote, chat_template=template) as m:
         if raw:
             if system:
                 raise LocalrunError("--system has no meaning with --raw",
                                     hint="drop one of them")
-            stream = m.stream(prompt, raw=True, **structured, **options)
+            stream = m.stream(prompt, raw=True, **structured, **thinking, **options)
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
-            stream = m.stream(messages, **structured, **options)
+            stream = m.stream(messages, **structured, **thinking, **options)
         with stream:
             if json_out:
                 completion = stream.join()
@@ -75,7 +77,18 @@ def run(
                 out["info"] = m.info.to_dict()
                 sys.stdout.write(json.dumps(out, indent=2) + "\n")
                 return
+            thought = False
             for chunk in stream:
+                if chunk.reasoning:  # the thinking: stderr, dimmed where it is a terminal
+                    thought = True
+                    dim = sys.stderr.isatty()
+                    sys.stderr.write(f"\x1b[2m{chunk.reasoning}\x1b[0m" if dim
+                                     else chunk.reasoning)
+                    sys.stderr.flush()
+                    continue
+                if thought and chunk.text:
+                    sys.stderr.write("\n")
+                    thought = False
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
             sys.stdout.write("\n")

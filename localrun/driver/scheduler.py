@@ -26,10 +26,11 @@ import itertools
 import queue
 import threading
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 from localrun.backends.base import Batcher, Session
+from localrun.driver.reasoning import ChatSetup, chat_setup
 from localrun.driver.sequence import NOT_STARTED, Event, Generation, Request, Sink, Stream
 from localrun.errors import GenerationError, LocalrunError, ModelBusyError, ModelClosedError
 from localrun.sampling import ResolvedSampling, resolve
@@ -52,10 +53,13 @@ def engine_failure(backend: str, error: BaseException) -> LocalrunError:
 class Driver:
     """The one place a Model's sequences meet its session."""
 
-    def __init__(self, session: Session, catalog_defaults: Mapping[str, Any] | None = None
-                 ) -> None:
+    def __init__(self, session: Session, catalog_defaults: Mapping[str, Any] | None = None,
+                 chat_template: str | None = None, reasoning: str | None = None) -> None:
         self.session: Session | None = session
         self.backend = session.info.backend
+        self._template, self._reasoning = chat_template, reasoning  # the caller's, the catalog's
+        self._chat = chat_setup(session, chat_template, reasoning)
+        self._chat_source = session.chat_template  # what _chat was read from
         # What the model's own files say wins over what localrun knows about the model.
         self.defaults = {**(catalog_defaults or {}), **session.sampling_defaults}
         self._cv = threading.Condition()
@@ -71,6 +75,16 @@ class Driver:
         self._closed = False
         self._keys = itertools.count(1)
 
+    @property
+    def chat(self) -> ChatSetup:
+        """The chat template conversations are rendered with, and how the model thinks
+        (read again when the session's template changes and the caller gave none)."""
+        session = self.session
+        if session is not None and session.chat_template is not self._chat_source:
+            self._chat_source = session.chat_template
+            self._chat = chat_setup(session, self._template, self._reasoning)
+        return self._chat
+
     # -- per call -------------------------------------------------------------------
 
     def resolve(self, request: Sampling) -> ResolvedSampling:
@@ -79,7 +93,7 @@ class Driver:
 
     def stream(self, request: Request, cancel: CancelToken) -> Stream:
         """One sequence as a Stream; nothing runs before its first ``next()``."""
-        gen = Generation(request, cancel)
+        gen = Generation(request, cancel, chat=self.chat)
         return Stream(self._chunks(gen), cancel, gen)
 
     def _chunks(self, gen: Generation) -> Iterator[Chunk]:
@@ -97,9 +111,15 @@ class Driver:
                     done = True
                     raise payload
                 if payload is None:  # the end (an eager sequence: its only event)
+                    if gen.switching and not gen.cancel.cancelled:  # the answer phase
+                        gen.resume(next(self._keys))
+                        self._enqueue([gen])
+                        continue
                     done = True
                     yield from gen.finish("stop" if gen.hit else None)
                     return
+                if gen.switching:
+                    continue  # what the engine made before it stopped the first phase
                 if gen.cancel.cancelled:  # as on the caller's thread: stop between pieces
                     done = gen.halted = True
                     yield from gen.finish("cancelled")
@@ -122,34 +142,46 @@ class Driver:
             session = self.session
             assert session is not None
             gen.prepare(session, self.defaults)
-            assert gen.prompt is not None and gen.sampling is not None
-            if not gen.sampling.max_tokens:  # echo alone: the prompt is scored, no reply
-                gen.stats.finish_reason = "length"
-                yield from gen.finish(None)
+            while True:  # once, or twice for a thinking reply's answer phase
+                assert gen.run_prompt is not None and gen.sampling is not None
+                if not gen.sampling.max_tokens:  # echo alone, or no room for the answer
+                    gen.stats.finish_reason = "length"
+                    yield from gen.finish(None)
+                    return
+                finish = yield from self._pieces(session, gen)
+                if gen.switching and finish is None:
+                    gen.prepare(session, self.defaults)
+                    continue
+                yield from gen.finish(finish)
                 return
-            finish: FinishReason | None = None
-            cancel = gen.cancel
-            pieces = session.generate(gen.prompt, gen.sampling, cancel, gen.stats)
-            try:
-                for piece in pieces:
-                    if cancel.cancelled:
-                        finish = "cancelled"
-                        break
-                    yield from gen.feed(piece)
-                    if gen.hit:
-                        finish = "stop"
-                        break
-            except LocalrunError:
-                raise
-            except Exception as e:  # an engine failure must not look like a crash
-                raise engine_failure(self.backend, e) from e
-            finally:
-                close = getattr(pieces, "close", None)
-                if close is not None:
-                    close()
-            yield from gen.finish(finish)
         finally:
             self._release()
+
+    def _pieces(self, session: Session, gen: Generation
+                ) -> Generator[Chunk, None, FinishReason | None]:
+        """One phase of a sequence through ``Session.generate``: its chunks, and how it
+        ended (None: the engine ended it, or the first phase of a thinking reply)."""
+        assert gen.run_prompt is not None and gen.sampling is not None
+        cancel = gen.cancel
+        pieces = session.generate(gen.run_prompt, gen.sampling, cancel, gen.stats)
+        try:
+            for piece in pieces:
+                if cancel.cancelled:
+                    return "cancelled"
+                yield from gen.feed(piece)
+                if gen.hit:
+                    return "stop"
+                if gen.switching:
+                    return None
+        except LocalrunError:
+            raise
+        except Exception as e:  # an engine failure must not look like a crash
+            raise engine_failure(self.backend, e) from e
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()
+        return None
 
     def batch(self, jobs: Sequence[tuple[int, Request]], width: int | None,
               cancel: CancelToken) -> Iterator[tuple[int, BatchResult]]:
@@ -190,7 +222,8 @@ class Driver:
                 fresh: list[Generation] = []
                 while todo and len(live) < cap:
                     i, request = todo.popleft()
-                    gen = Generation(request, cancel, sink, next(self._keys), eager=True)
+                    gen = Generation(request, cancel, sink, next(self._keys), eager=True,
+                                     chat=self.chat)
                     live[gen] = i
                     fresh.append(gen)
                 if fresh:
@@ -206,6 +239,10 @@ class Driver:
                     if not isinstance(payload, LocalrunError):
                         raise payload
                     yield index, payload
+                elif gen.switching and not cancel.cancelled:  # a thinking reply's answer
+                    gen.resume(next(self._keys))
+                    live[gen] = index
+                    self._enqueue([gen])
                 else:
                     gen.finish("stop" if gen.hit else None)
                     yield index, gen.result()
@@ -456,13 +493,13 @@ class Driver:
         except BaseException as e:  # this request's own mistake, raised to its caller
             _send(gen, e)
             return
-        assert gen.prompt is not None and gen.sampling is not None
-        if not gen.sampling.max_tokens:  # echo alone: the prompt is scored, no reply
+        assert gen.run_prompt is not None and gen.sampling is not None
+        if not gen.sampling.max_tokens:  # echo alone, or no room for a thinking's answer
             gen.stats.finish_reason = "length"
             _send(gen, None)
             return
         try:
-            batcher.add(gen.key, gen.prompt, gen.sampling, gen.stats)
+            batcher.add(gen.key, gen.run_prompt, gen.sampling, gen.stats)
         except Exception as e:
             _send(gen, engine_failure(self.backend, e))
             return

@@ -21,15 +21,18 @@ from typing import Any
 
 from localrun.backends import logprobs as logprob_math
 from localrun.backends.base import GenerationStats, Prompt, Session
+from localrun.driver.reasoning import ChatSetup, Splitter, merged, thinking_prompt
 from localrun.errors import (
     ContextOverflowError,
     IncompleteOutputError,
     LocalrunError,
     StructuredOutputError,
 )
+from localrun.reasoning import ReasoningRequest, refuse
 from localrun.sampling import ResolvedSampling, resolve
 from localrun.stopping import StopMatcher
 from localrun.structured.calls import ToolCall
+from localrun.structured.constraint import Constraint
 from localrun.structured.formats import has_tool_turns
 from localrun.structured.output import (
     ChatPlan,
@@ -66,6 +69,7 @@ class Request:
     sampling: Sampling
     structured: StructuredRequest | None = None
     tokens: tuple[int, ...] | None = None  # a raw prompt given as token ids (then no text)
+    reasoning: ReasoningRequest | None = None  # think / reasoning_effort / thinking_budget
 
     def __post_init__(self) -> None:
         # Every call's text passes here (stream, chat, complete, batch): a lone surrogate
@@ -128,15 +132,16 @@ class Outcome:
 
 def completion_of(text: str, finish: FinishReason, usage: Usage, timings: Timings,
                   outcome: Outcome | None, logprobs: tuple[TokenLogprob, ...] | None = None,
-                  prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> Completion:
+                  prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
+                  reasoning: str | None = None) -> Completion:
     """The Completion of a reply, with what structured output made of it."""
     if outcome is None:
         return Completion(text, finish, usage, timings, logprobs=logprobs,
-                          prompt_logprobs=prompt_logprobs)
+                          prompt_logprobs=prompt_logprobs, reasoning=reasoning)
     if outcome.tool_calls:
         text = text.strip()  # what surrounded the calls (newlines between blocks)
     completion = Completion(text, finish, usage, timings, outcome.tool_calls, outcome.parsed,
-                            logprobs, prompt_logprobs)
+                            logprobs, prompt_logprobs, reasoning)
     if isinstance(outcome.error, IncompleteOutputError):
         outcome.error.completion = completion
     return completion
@@ -160,23 +165,24 @@ def timings_of(stats: GenerationStats, n_prompt: int, t0: float, t_first: float,
 
 
 def encode_prompt(session: Session, messages: list[Message] | None, text: str | None,
-                  plan: ChatPlan | None, tokens: Sequence[int] | None = None) -> Prompt:
+                  plan: ChatPlan | None, tokens: Sequence[int] | None = None,
+                  chat: ChatSetup | None = None) -> Prompt:
     """The prompt tokens of one request: the engine's own chat rendering, or localrun's
-    (a conversation with tools), plus the assistant-turn prefill of a forced call; or
-    the caller's own token ids, as they are."""
+    (a conversation with tools, or a chat template the caller gave), plus the
+    assistant-turn prefill of a forced call; or the caller's own token ids, as they are."""
     if tokens is not None:
         return session.encode_ids(tokens)
     if messages is None:
         return session.encode_text(text or "")
+    if chat is not None and chat.override and (plan is None or not plan.render_here):
+        msgs = plan.messages if plan is not None else messages
+        return session.encode_rendered(render(session, chat, msgs, plan)
+                                       + (plan.prefill if plan is not None else ""))
     if plan is None:
         return session.encode_chat(messages)
     if plan.render_here:
-        from localrun.templates import render_chat
-
-        rendered = render_chat(session.chat_template, plan.messages,
-                               bos_token=session.bos_token, eos_token=session.eos_token,
-                               tools=plan.template_tools)
-        return session.encode_rendered(rendered + plan.prefill)
+        return session.encode_rendered(render(session, chat, plan.messages, plan)
+                                       + plan.prefill)
     prompt = session.encode_chat(plan.messages)  # type: ignore[arg-type]
     if plan.prefill:
         if prompt.text is None:
@@ -187,14 +193,26 @@ def encode_prompt(session: Session, messages: list[Message] | None, text: str | 
     return prompt
 
 
+def render(session: Session, chat: ChatSetup | None, messages: Sequence[Any],
+           plan: ChatPlan | None) -> str:
+    """A conversation rendered by localrun with the model's template (or the caller's)."""
+    from localrun.templates import render_chat
+
+    return render_chat(chat.template if chat is not None else session.chat_template,
+                       messages, bos_token=session.bos_token, eos_token=session.eos_token,
+                       tools=plan.template_tools if plan is not None else None)
+
+
 def structured_plan(session: Session, messages: list[Message] | None,
-                    structured: StructuredRequest | None) -> ChatPlan | None:
+                    structured: StructuredRequest | None, chat: ChatSetup | None = None
+                    ) -> ChatPlan | None:
     """How a request with structured output or tool turns runs on this session."""
     if messages is None:
         return raw_plan(structured) if structured is not None else None
     if structured is None and not has_tool_turns(messages):
         return None
-    return plan_chat(structured, messages, session.chat_template)
+    return plan_chat(structured, messages,
+                     chat.template if chat is not None else session.chat_template)
 
 
 def constrained(session: Session, sampling: ResolvedSampling, plan: ChatPlan | None
@@ -220,25 +238,34 @@ NOT_STARTED = Completion("", "cancelled", Usage(0, 0), Timings())
 
 class Generation:
     """One sequence: prepared once on the thread that runs the engine, fed on its
-    consumer's thread (they may be the same), or on the engine thread when ``eager``."""
+    consumer's thread (they may be the same), or on the engine thread when ``eager``.
 
-    __slots__ = ("cancel", "completion", "eager", "ended", "first", "halted", "hit", "key",
-                 "lp_sent", "matcher", "outcome", "parts", "processor", "prompt",
-                 "prompt_logprobs", "request", "sampling", "sink", "stats", "t0", "tokens")
+    A thinking model's sequence may run in two phases (:mod:`localrun.driver.reasoning`):
+    when the first ends early (``switching``), the scheduler runs it again from the
+    prompt the :class:`Splitter` wrote, as the same sequence (its counts and chunks go
+    on)."""
+
+    __slots__ = ("answer_constraint", "base", "cancel", "chat", "completion", "eager",
+                 "ended", "first", "halted", "hit", "key", "lp_sent", "matcher", "outcome",
+                 "parts", "prior", "processor", "prompt", "prompt_logprobs", "reasoning",
+                 "request", "run_prompt", "sampling", "sink", "split", "stats", "switching",
+                 "t0", "tokens", "trim")
 
     def __init__(self, request: Request, cancel: CancelToken, sink: Sink | None = None,
-                 key: int = 0, eager: bool = False) -> None:
+                 key: int = 0, eager: bool = False, chat: ChatSetup | None = None) -> None:
         self.request = request
         self.cancel = cancel  # the caller's token (a batch shares one)
         self.sink = sink  # where the engine thread sends this sequence's events
         self.key = key  # the Batcher's key
+        self.chat = chat  # the model's chat template and reasoning format
         # Fed by the engine thread as its pieces come, the consumer woken only at its
         # end (a batch's items, a joined stream: nobody reads their pieces before).
         self.eager = eager
         self.ended = False  # an eager sequence's end was sent to its consumer
         self.outcome = Outcome() if request.structured is not None else None
         self.stats = GenerationStats()
-        self.prompt: Prompt | None = None  # None until prepared
+        self.prompt: Prompt | None = None  # the request's prompt; None until prepared
+        self.run_prompt: Prompt | None = None  # what the engine runs now (this phase's)
         self.sampling: ResolvedSampling | None = None
         self.matcher = StopMatcher(())
         self.processor: OutputProcessor | None = None
@@ -249,13 +276,24 @@ class Generation:
         self.halted = False  # the consumer stopped it (stop string, closed stream)
         self.tokens: int | None = None  # completion tokens when the consumer stopped it
         self.completion: Completion | None = None
-        self.lp_sent = 0  # stats.logprobs entries already put on a chunk
+        self.lp_sent = 0  # logprob entries already put on a chunk
         self.prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # echo
+        self.split: Splitter | None = None  # the thinking phase's reader, while it runs
+        self.reasoning: list[str] | None = None  # the thinking, once the reply has some
+        self.switching = False  # the first phase is over: the answer phase runs next
+        self.base = 0  # tokens of the phases before this one
+        self.prior: GenerationStats | None = None  # their engine figures
+        self.answer_constraint: Constraint | None = None  # what the answer must match
+        self.trim = False  # the answer phase's first blanks go (they follow </think>)
 
     # -- engine side ----------------------------------------------------------------
 
     def prepare(self, session: Session, defaults: Mapping[str, Any]) -> None:
-        """Everything the engine needs, computed once: raises for this request only."""
+        """Everything the engine needs, computed once: raises for this request only.
+        For a sequence whose first phase is over, the answer phase instead."""
+        if self.switching:
+            self._answer_phase(session)
+            return
         self.t0 = time.perf_counter()
         req = self.request
         sampling = resolve(req.sampling, defaults)
@@ -263,27 +301,69 @@ class Generation:
             raise LocalrunError("echo=True takes a raw prompt, not a conversation",
                                 hint="use Model.complete(prompt, echo=True)")
         logprob_math.check(session, sampling, req.tokens is not None)
-        plan = structured_plan(session, req.messages, req.structured)
-        prompt = encode_prompt(session, req.messages, req.text, plan, req.tokens)
+        chat = self.chat
+        plan = structured_plan(session, req.messages, req.structured, chat)
+        thinking = None
+        if req.messages is not None and chat is not None and chat.reasoning is not None:
+            prompt, thinking = thinking_prompt(session, chat, req.messages, plan,
+                                               req.reasoning)
+        else:
+            if req.reasoning is not None and req.reasoning.think:
+                raise refuse(req.reasoning, "this model does not think (its chat "
+                             "template has no thinking block)")
+            prompt = encode_prompt(session, req.messages, req.text, plan, req.tokens, chat)
         n_prompt = len(prompt.tokens)
         ctx = session.info.context_length
         if n_prompt >= ctx:
             raise ContextOverflowError(n_prompt, ctx,
                                        trained_context=session.info.trained_context_length)
         self.sampling = limited(constrained(session, sampling, plan), ctx - n_prompt)
+        if thinking is not None:  # the answer's constraint waits for its own phase
+            self.split = Splitter(thinking)
+            self.reasoning = [] if self.split.opened else None
+            self.answer_constraint = self.sampling.constraint
+            self.sampling = replace(self.sampling, constraint=None)
         if sampling.echo:  # the prompt scored now, before anything is generated
             self.prompt_logprobs = tuple(session.prompt_logprobs(prompt, sampling.logprobs or 0))
         if sampling.logprobs is not None:
             self.stats.logprobs = []  # the engine's entries, one per token it chooses
-        self.prompt = prompt
+        self.prompt = self.run_prompt = prompt
         if plan is not None and req.structured is not None:
             self.processor = OutputProcessor(plan)
         self.matcher = StopMatcher(self.sampling.stop)
+
+    def _answer_phase(self, session: Session) -> None:
+        """The answer phase of a thinking reply: the prompt the splitter wrote (the
+        conversation, the thinking, its end marker), the tokens the first phase left,
+        and the answer's constraint. ``sampling.max_tokens`` 0: no room is left."""
+        split, sampling = self.split, self.sampling
+        assert split is not None and split.switch is not None and sampling is not None
+        used = split.tokens
+        entries = self.stats.logprobs
+        self.base += used
+        self.prior = merged(self.prior, self.stats, used)
+        self.stats = GenerationStats()
+        if entries is not None:  # the engine's entries go on after the kept ones
+            self.stats.logprobs = entries[:used]
+        self.split = None
+        self.switching = self.halted = False
+        self.trim = True
+        prompt = session.encode_rendered(split.switch)
+        room = session.info.context_length - len(prompt.tokens)
+        left = max(0, min(sampling.max_tokens - used, room))
+        self.run_prompt = prompt
+        self.sampling = replace(sampling, max_tokens=left, constraint=self.answer_constraint)
+        if left and self.answer_constraint is not None:
+            session.check_constraint(self.answer_constraint)
 
     @property
     def stopping(self) -> bool:
         """Whether the engine should drop this sequence now."""
         return self.halted or self.cancel.cancelled
+
+    def resume(self, key: int) -> None:
+        """Send a sequence whose first phase is over back to the engine, as ``key``."""
+        self.key, self.ended, self.halted = key, False, False
 
     # -- consumer side --------------------------------------------------------------
 
@@ -292,18 +372,42 @@ class Generation:
         ``tokens``: the engine's count as of this piece, kept if a stop string ends it."""
         if not self.first:
             self.first = time.perf_counter()
-        out, hit = self.matcher.feed(piece)
-        chunks = self._emit(out) if out else []
+        count = self.stats.completion_tokens if tokens is None else tokens
+        chunks: list[Chunk] = []
+        split = self.split
+        if split is not None:
+            thought, piece = split.feed(piece, count)
+            if split.opened and self.reasoning is None:
+                self.reasoning = []
+            if thought:
+                chunks.append(self._think(thought))
+            if split.switch is not None and not self.switching:
+                self.switching = self.halted = True  # the engine stops; the answer follows
+        if self.trim and piece:
+            piece = piece.lstrip()
+            self.trim = not piece
+        if piece:
+            out, hit = self.matcher.feed(piece)
+            chunks += self._emit(out) if out else []
+        else:
+            hit = False
         if self.stats.logprobs is not None and chunks:
-            self._attach(chunks, self.stats.completion_tokens if tokens is None else tokens)
-        if self.processor is not None and self.processor.runaway is not None:
-            hit = True  # a JSON value ran away: ended here, as by a stop string
+            self._attach(chunks, self.base + (split.tokens if self.switching and split
+                                              else count))
+        if self.processor is not None and self.processor.halt:
+            hit = True  # a JSON value ran away, or the one call allowed is complete
         if hit:
             self.hit = True
             self.halted = True
             if tokens is not None:
                 self.tokens = tokens
         return chunks
+
+    def _think(self, text: str) -> Chunk:
+        if self.reasoning is None:
+            self.reasoning = []
+        self.reasoning.append(text)
+        return Chunk("", reasoning=text)
 
     def _attach(self, chunks: list[Chunk], upto: int) -> None:
         """Put the entries of the tokens up to ``upto`` not on a chunk yet on the first of
@@ -336,6 +440,14 @@ class Generation:
             return [Chunk("", finish_reason="cancelled", usage=Usage(0, 0), timings=Timings())]
         chunks: list[Chunk] = []
         engine_eos = False  # the engine ended it on an end-of-sequence token
+        split = self.split
+        if split is not None and not self.switching:  # it ended while thinking
+            thought, rest = split.flush(self.stats.completion_tokens)
+            if thought:
+                chunks.append(self._think(thought))
+            if rest and reason is None:
+                out, _ = self.matcher.feed(rest)
+                chunks += self._emit(out) if out else []
         if reason is None:
             reason = "cancelled" if self.cancel.cancelled else \
                 (self.stats.finish_reason or "length")
@@ -354,18 +466,33 @@ class Generation:
                 self.outcome.tool_calls, self.outcome.parsed = result.tool_calls, result.parsed
                 self.outcome.error = result.error
         n_prompt = len(self.prompt.tokens)
-        done = self.tokens if self.tokens is not None else self.stats.completion_tokens
-        usage = Usage(n_prompt, done)
-        timings = timings_of(self.stats, n_prompt, self.t0, self.first, time.perf_counter())
+        done = self.base + (self.tokens if self.tokens is not None
+                            else self.stats.completion_tokens)
+        if split is not None and self.switching:  # cancelled as the answer was due
+            done = self.base + split.tokens
+        usage = Usage(n_prompt, done, self.reasoning_tokens(done))
+        stats = merged(self.prior, self.stats, self.stats.completion_tokens)
+        timings = timings_of(stats, n_prompt, self.t0, self.first, time.perf_counter())
         logprobs = None
         if self.stats.logprobs is not None:
             # one entry per token counted, and the end-of-sequence token's (module types)
             logprobs = tuple(self.stats.logprobs[:done + int(engine_eos)])
+        reasoning = "".join(self.reasoning) if self.reasoning is not None else None
         self.completion = completion_of("".join(self.parts), reason, usage, timings,
-                                        self.outcome, logprobs, self.prompt_logprobs)
+                                        self.outcome, logprobs, self.prompt_logprobs,
+                                        reasoning)
         chunks.append(Chunk("", finish_reason=reason, usage=usage, timings=timings,
                             logprobs=logprobs[self.lp_sent:] if logprobs else ()))
         return chunks
+
+    def reasoning_tokens(self, done: int) -> int:
+        """Tokens of the reply that were thinking."""
+        if self.reasoning is None:
+            return 0
+        split = self.split
+        if split is None:  # the thinking was the first phase, now over
+            return min(self.base, done)
+        return min(split.reasoning_tokens or done, done)
 
     def result(self) -> Completion | LocalrunError:
         """What a batch hands back for it once finished: the Completion, or the error

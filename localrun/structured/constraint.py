@@ -27,6 +27,8 @@ class ToolTag:
     trigger: str  # e.g. "<tool_call>" or "[TOOL_CALLS]"
     begin: str = ""  # text between the trigger and the JSON, e.g. "\n"
     end: str = ""  # e.g. "\n</tool_call>"
+    #: at most one call, which ends the reply (``parallel_tool_calls=False``)
+    single: bool = False
 
 
 @dataclass(frozen=True)
@@ -34,17 +36,24 @@ class Constraint:
     """The reply is one JSON value matching ``schema`` (JSON text), or, with ``tag``,
     free text whose tool calls each match ``schema`` (constrained only after the trigger).
 
+    ``repeat`` (forced calls that may be parallel, ``tool_choice="required"``): after the
+    first JSON value (its trigger is already in the prompt) more calls may follow, each
+    ``end``, a newline, ``trigger`` and ``begin`` before its JSON; the last one's ``end``
+    may be left out.
+
     ``label`` names the constraint in messages ("JSON Schema 'Person'").
     """
 
     schema: str
     tag: ToolTag | None = None
     label: str = "JSON"
+    repeat: ToolTag | None = None
 
     @classmethod
-    def json(cls, schema: dict[str, Any], label: str = "JSON", tag: ToolTag | None = None
-             ) -> Constraint:
-        return cls(json.dumps(schema, ensure_ascii=False, sort_keys=False), tag, label)
+    def json(cls, schema: dict[str, Any], label: str = "JSON", tag: ToolTag | None = None,
+             repeat: ToolTag | None = None) -> Constraint:
+        return cls(json.dumps(schema, ensure_ascii=False, sort_keys=False), tag, label,
+                   repeat)
 
     @property
     def schema_dict(self) -> dict[str, Any]:

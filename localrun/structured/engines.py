@@ -281,6 +281,14 @@ def openvino_structured_config(og: Any, constraint: Constraint) -> Any | None:
     text = json.dumps(schema, ensure_ascii=False)
     layout = openvino_layout(so, schema) if hasattr(so, "Concat") else None
     tag = constraint.tag
+    repeat = constraint.repeat
+    if tag is None and repeat is not None and hasattr(so, "TagsWithSeparator"):
+        # forced calls, one or more: the first one's opening is in the prompt already
+        item = so.Tag(begin="", content=layout if layout is not None else so.JSONSchema(text),
+                      end=repeat.end)
+        return so(structural_tags_config=so.TagsWithSeparator(
+            tags=[item], separator="\n" + repeat.trigger + repeat.begin, at_least_one=True,
+            stop_after_first=False))
     if tag is None:
         if layout is None or isinstance(layout, so.JSONSchema):
             return so(json_schema=text)
@@ -292,7 +300,8 @@ def openvino_structured_config(og: Any, constraint: Constraint) -> Any | None:
                   content=layout if layout is not None else so.JSONSchema(text),
                   end=tag.end)
     return so(structural_tags_config=triggered(triggers=[tag.trigger], tags=[item],
-                                               at_least_one=False, stop_after_first=False))
+                                               at_least_one=False,
+                                               stop_after_first=tag.single))
 
 
 def is_openvino_grammar_error(error: BaseException) -> bool:

@@ -125,9 +125,11 @@ def _rewrite_refs(node: Any, mapping: Mapping[str, str]) -> Any:
     return node
 
 
-def call_schema(fmt: ToolFormat, tools: Sequence[Tool], choice: str) -> dict[str, Any]:
-    """JSON Schema of one call (an array of calls for Mistral) to the tools ``choice``
-    allows: all of them ("auto", "required") or the one it names."""
+def call_schema(fmt: ToolFormat, tools: Sequence[Tool], choice: str,
+                parallel: bool | None = None) -> dict[str, Any]:
+    """JSON Schema of one call (an array of calls for Mistral, of one call when not
+    ``parallel``) to the tools ``choice`` allows: all of them ("auto", "required") or the
+    one it names."""
     chosen = [t for t in tools if choice in ("auto", "required") or t.name == choice]
     defs: dict[str, Any] = {}
     options = []
@@ -157,7 +159,7 @@ def call_schema(fmt: ToolFormat, tools: Sequence[Tool], choice: str) -> dict[str
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     if fmt.array:
         schema = {"type": "array", "items": schema, "minItems": 1}
-        if choice not in ("auto", "required"):
+        if choice not in ("auto", "required") or parallel is False:
             schema["maxItems"] = 1
     if defs:
         schema = {**schema, "$defs": defs}
@@ -171,23 +173,31 @@ def forced_prefill(fmt: ToolFormat) -> str:
     return fmt.open + fmt.begin if fmt.open else ""
 
 
-def tool_constraint(fmt: ToolFormat, tools: Sequence[Tool], choice: str) -> Constraint | None:
+def tool_constraint(fmt: ToolFormat, tools: Sequence[Tool], choice: str,
+                    parallel: bool | None = None) -> Constraint | None:
     """The grammar for a tool-calling request, or None when nothing is constrained.
 
-    Forced calls: the JSON after :func:`forced_prefill`. "auto": free text, each call
-    constrained from its opening marker on (formats without one are not constrained:
-    their calls are parsed as written). "none": nothing.
+    Forced calls: the JSON after :func:`forced_prefill`; with "required" and ``parallel``
+    True, more calls may follow in the model's format (OpenAI's "required" with parallel
+    calls), where the format marks each call (hermes; Mistral's array takes several
+    unless ``parallel`` is False). "auto": free text, each call constrained from its
+    opening marker on (formats without one are not constrained: their calls are parsed as
+    written); ``parallel`` False, the first call ends the reply. "none": nothing.
     """
     if choice == "none" or not tools:
         return None
-    schema = call_schema(fmt, tools, choice)
+    schema = call_schema(fmt, tools, choice, parallel)
+    end = ("\n" + fmt.close) if fmt.close else ""
     if choice != "auto":
         label = f"a call of {choice}" if choice != "required" else "a tool call"
-        return Constraint.json(schema, label)
+        several = choice == "required" and parallel is True and bool(fmt.open and end) \
+            and not fmt.array
+        return Constraint.json(schema, label,
+                               repeat=ToolTag(fmt.open, fmt.begin, end) if several else None)
     if not fmt.open:
         return None
-    end = ("\n" + fmt.close) if fmt.close else ""
-    return Constraint.json(schema, "a tool call", ToolTag(fmt.open, fmt.begin, end))
+    return Constraint.json(schema, "a tool call",
+                           ToolTag(fmt.open, fmt.begin, end, single=parallel is False))
 
 
 # -- messages -------------------------------------------------------------------------------

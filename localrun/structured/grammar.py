@@ -109,23 +109,41 @@ def constraint_grammar(constraint: Constraint, tokenizer: LLTokenizer | None = N
     """
     schema = constraint.schema_dict
     tag = constraint.tag
-    if tag is None:
+    repeat = constraint.repeat
+    if tag is None and repeat is None:
         return json_grammar(schema)
-    schema = {**bounded_schema(schema), "x-guidance": JSON_OPTIONS}
-    body = " ".join(p for p in (_lark_text(tag.begin), "%json " + json.dumps(schema),
-                                _lark_text(tag.end)) if p)
+    value = "%json " + json.dumps({**bounded_schema(schema), "x-guidance": JSON_OPTIONS})
+    llg = llguidance()
+    if repeat is not None:  # forced calls, the first one's trigger in the prompt
+        more = " ".join(p for p in (_lark_text(repeat.end + "\n"),
+                                    _trigger(repeat.trigger, tokenizer),
+                                    _lark_text(repeat.begin), "value") if p)
+        lark = ("%llguidance {}\n"
+                f"start: value more* {_lark_text(repeat.end)}?\n"
+                f"more: {more}\n"
+                f"value: {value}\n")
+        forced: str = llg.LLMatcher.grammar_from_lark(lark)
+        return forced
+    assert tag is not None
+    body = " ".join(p for p in (_lark_text(tag.begin), value, _lark_text(tag.end)) if p)
     special = special_token(tokenizer, tag.trigger) if tokenizer is not None else None
     if special is not None:
         call = f"call: TEXT <[{special}]> {body}\n"
     else:
         call = f"call_trigger[lazy]: TEXT {_lark_text(tag.trigger)}\ncall: call_trigger {body}\n"
+    # not parallel: a call ends the reply (nothing may follow it but the end)
     lark = ("%llguidance {}\n"
-            "start: call* tail\n"
+            f"start: {'call | tail' if tag.single else 'call* tail'}\n"
             "tail: TEXT\n"
             "TEXT: /(.|\\n)*/\n" + call)
-    llg = llguidance()
     grammar: str = llg.LLMatcher.grammar_from_lark(lark)
     return grammar
+
+
+def _trigger(trigger: str, tokenizer: LLTokenizer | None) -> str:
+    """A call's opening marker in Lark: its special token where it is one."""
+    special = special_token(tokenizer, trigger) if tokenizer is not None else None
+    return f"<[{special}]>" if special is not None else _lark_text(trigger)
 
 
 class GrammarCompiler:

@@ -49,6 +49,10 @@ class StructuredRequest:
     output: OutputSpec | None = None
     tools: tuple[Tool, ...] = ()
     tool_choice: str = "none"
+    #: ``parallel_tool_calls``: False, one call at most; True, a forced call
+    #: (``tool_choice="required"``) may be several; None (unset), one forced call, any
+    #: number of calls with "auto" (llama-server's default)
+    parallel: bool | None = None
 
     @property
     def calls_tools(self) -> bool:
@@ -56,10 +60,23 @@ class StructuredRequest:
 
 
 def prepare(response_format: object = None, schema: object = None, tools: object = None,
-            tool_choice: object = None) -> StructuredRequest | None:
-    """Normalise and check the structured-output arguments of one call (None: plain)."""
+            tool_choice: object = None, parallel_tool_calls: object = None
+            ) -> StructuredRequest | None:
+    """Normalise and check the structured-output arguments of one call (None: plain).
+
+    ``parallel_tool_calls=False``: at most one tool call per reply, enforced by the
+    grammar where calls are constrained (the first call ends the reply; a forced call is
+    one call) and, where they are parsed as written, by keeping only the first (the text
+    of later ones is dropped). ``True``: ``tool_choice="required"`` may make several
+    calls too (OpenAI's "required" with parallel calls). Unset: "auto" may make several,
+    "required" makes one."""
     from localrun.structured.grammar import check_schema
 
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise InvalidToolError(f"parallel_tool_calls must be True or False, not "
+                               f"{parallel_tool_calls!r}"[:200],
+                               hint="pass parallel_tool_calls=False for at most one call "
+                               "per reply, or leave it out")
     output = output_spec(response_format, schema)
     tool_list = normalize_tools(tools)
     if tool_choice is not None and not tool_list and tool_choice != "none":
@@ -79,7 +96,7 @@ def prepare(response_format: object = None, schema: object = None, tools: object
             check_schema(t.parameters, f"the parameters of tool {t.name!r}")
     if output is None and not tool_list:
         return None
-    return StructuredRequest(output, tool_list, choice)
+    return StructuredRequest(output, tool_list, choice, parallel_tool_calls)
 
 
 @dataclass(frozen=True)
@@ -115,7 +132,8 @@ def plan_chat(request: StructuredRequest | None, messages: Sequence[Mapping[str,
         else:
             msgs = fallback_messages(msgs, tools)
     if request is not None and calls_tools and fmt is not None:
-        constraint = tool_constraint(fmt, request.tools, request.tool_choice)
+        constraint = tool_constraint(fmt, request.tools, request.tool_choice,
+                                     request.parallel)
         if request.tool_choice != "auto":
             prefill = forced_prefill(fmt)
     elif request is not None and request.output is not None:
@@ -150,7 +168,8 @@ class OutputProcessor:
     """Engine text in; content, tool-call deltas and the final Result out.
 
     ``runaway`` is set once a JSON value (the reply's, or a tool call's arguments) ran
-    away; the driver then ends the reply as it does at a stop string.
+    away; :attr:`halt` then, or once the one call ``parallel_tool_calls=False`` allows is
+    complete, and the driver ends the reply as it does at a stop string.
     """
 
     plan: ChatPlan
@@ -172,6 +191,26 @@ class OutputProcessor:
             if self.plan.prefill:
                 self._parser.prime(self.plan.prefill)  # the marker the prompt already holds
 
+    @property
+    def _limit(self) -> int | None:
+        """Most calls the reply may make (None: any number)."""
+        req = self.plan.request
+        return 1 if req is not None and req.parallel is False else None
+
+    @property
+    def halt(self) -> object:
+        """Truthy when the reply must end now: a value ran away, or no more calls may
+        come."""
+        if self.runaway is not None:
+            return self.runaway
+        limit = self._limit
+        return limit is not None and self._parser is not None and \
+            len(self._parser.calls) >= limit
+
+    def _kept(self, deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+        limit = self._limit
+        return deltas if limit is None else [d for d in deltas if d.index < limit]
+
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         if self._parser is None:
             self._text.append(text)
@@ -179,6 +218,7 @@ class OutputProcessor:
                 self._watch(0, text)
             return text, []
         content, deltas = self._parser.feed(text)
+        deltas = self._kept(deltas)
         self._watch_calls(deltas)
         return content, deltas
 
@@ -201,6 +241,7 @@ class OutputProcessor:
         if self._parser is None:
             return "", []
         content, deltas = self._parser.finish()
+        deltas = self._kept(deltas)
         self._watch_calls(deltas)
         return content, deltas
 
@@ -212,7 +253,7 @@ class OutputProcessor:
                                                    self.runaway.detail),
                           finish_reason="length")
         if self._parser is not None:
-            calls = tuple(self._parser.calls)
+            calls = tuple(self._parser.calls)[:self._limit]
             if calls:
                 return Result(calls, None, None,
                               "tool_calls" if finish_reason == "stop" else None)
