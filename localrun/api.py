@@ -98,8 +98,9 @@ class Model:
         after N tokens with the model's own end marker, and the answer follows;
         ``reasoning_effort`` ("none", "minimal", "low", "medium", "high") is a budget by
         name (:data:`localrun.reasoning.EFFORT_BUDGETS`). ``max_tokens`` bounds thinking
-        and answer together. Asking a model that does not think to think raises
-        InvalidSamplingError; a schema or a tool call constrains the answer alone.
+        and answer together; stop strings apply to the answer. Asking a model that does
+        not think to think raises ThinkingUnavailableError (an InvalidSamplingError); a
+        schema or a tool call constrains the answer alone.
         """
         return self.stream(messages, cancel=cancel, response_format=response_format,
                            schema=schema, tools=tools, tool_choice=tool_choice,
