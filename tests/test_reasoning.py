@@ -480,8 +480,8 @@ class Prompts:
 @pytest.mark.slow
 def test_reasoning_apart_and_a_budget_of_16_on_a_real_engine(thinker: tuple[str, Any]
                                                              ) -> None:
-    backend, model = thinker
-    n = 40 if backend != "mlx" else 28  # MLX decodes ~5 tokens/s here
+    _, model = thinker
+    n = 40
     assert model.reasoning == "qwen3"
     free = model.chat(QUESTION, temperature=0, max_tokens=n)
     assert free.reasoning and free.usage.reasoning_tokens > BUDGET
@@ -503,14 +503,16 @@ def test_reasoning_apart_and_a_budget_of_16_on_a_real_engine(thinker: tuple[str,
     marker = model.count_tokens(first.text + thought + CLOSED) - \
         model.count_tokens(first.text + thought)
     assert len(second.tokens) - len(first.tokens) <= BUDGET + marker
-    assert c.usage.completion_tokens <= n and "</think>" not in c.text
+    # the marker localrun wrote is the prompt's, not the answer's (a small model may copy
+    # it later in its answer: its own text)
+    assert c.usage.completion_tokens <= n and not c.text.startswith("</think>")
 
 
 @pytest.mark.slow
 def test_streams_think_off_and_tool_calls_on_a_real_engine(thinker: tuple[str, Any]
                                                            ) -> None:
-    backend, model = thinker
-    n = 30 if backend != "mlx" else 20
+    _, model = thinker
+    n = 30
     stream = model.stream(QUESTION, temperature=0, max_tokens=n, thinking_budget=8)
     chunks = list(stream)
     c = stream.completion
@@ -520,8 +522,6 @@ def test_streams_think_off_and_tool_calls_on_a_real_engine(thinker: tuple[str, A
     assert "".join(ch.text for ch in chunks) == c.text
     off = model.chat(QUESTION, temperature=0, max_tokens=8, think=False)
     assert off.reasoning is None and off.usage.reasoning_tokens == 0 and off.text
-    if backend == "mlx":
-        return  # a tool prompt is ~190 tokens: ~30 s of MLX prefill per reply here
     call = model.chat("What is the weather in Paris?", tools=[WEATHER], temperature=0,
                       tool_choice="required", max_tokens=60, thinking_budget=8)
     assert call.reasoning and call.usage.reasoning_tokens == 8
@@ -530,10 +530,7 @@ def test_streams_think_off_and_tool_calls_on_a_real_engine(thinker: tuple[str, A
 
 @pytest.mark.slow
 def test_a_batch_thinks_as_single_calls_do(thinker: tuple[str, Any]) -> None:
-    backend, model = thinker
-    if backend == "mlx":
-        pytest.skip("MLX decodes ~5 tokens/s here; its batcher runs the same driver path as "
-                    "the others'")
+    _, model = thinker
     questions = [QUESTION, "Name three colours of the rainbow and say why."]
     alone = [model.chat(q, temperature=0, max_tokens=30, thinking_budget=BUDGET)
              for q in questions]
