@@ -13,7 +13,9 @@ is looked up on disk and refused, never fetched.
 from __future__ import annotations
 
 import json
+import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -34,9 +36,21 @@ REQUEST_TIMEOUT = 60
 TIME_LIMIT = 300
 TOKENS = 4
 GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/api/chat",
-              "/api/generate"}
+              "/api/generate", "/v1/responses"}
 
 server_model, srv = server_fixtures(ServerConfig(max_queue=64))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Stored responses (/v1/responses) in a folder of this run's own."""
+    old = os.environ.get("LOCALRUN_HOME")
+    os.environ["LOCALRUN_HOME"] = str(tmp_path_factory.mktemp("localrun-home"))
+    yield
+    if old is None:
+        os.environ.pop("LOCALRUN_HOME", None)
+    else:
+        os.environ["LOCALRUN_HOME"] = old
 
 
 def _steer(path: str, body: Any) -> None:
@@ -51,6 +65,11 @@ def _steer(path: str, body: Any) -> None:
         options.pop("num_ctx", None)
         options["num_predict"] = TOKENS
         body["options"] = options
+    elif path == "/v1/responses":  # a new conversation (a made-up id is a 400)
+        body["max_output_tokens"] = TOKENS
+        body.pop("previous_response_id", None)
+        if body.get("input") is None:
+            body["input"] = "Hi"
     else:
         body.pop("max_completion_tokens", None)
         body["max_tokens"] = TOKENS
@@ -66,6 +85,9 @@ def test_the_served_spec_drives_a_fuzzer_to_no_5xx(srv: Running) -> None:
     stop_at = time.monotonic() + TIME_LIMIT
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 20, [op.label for op in operations]
+    assert {"POST /v1/responses", "GET /v1/responses/{response_id}",
+            "DELETE /v1/responses/{response_id}",
+            "GET /v1/responses/{response_id}/input_items"} <= {op.label for op in operations}
     for op in operations:
         for mode in modes:
             try:

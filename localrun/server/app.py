@@ -27,7 +27,15 @@ from starlette.requests import ClientDisconnect
 
 from localrun import __version__
 from localrun.errors import LocalrunError
-from localrun.server import anthropic_api, limits, ollama_api, openai_api, policy
+from localrun.server import (
+    anthropic_api,
+    limits,
+    manage_api,
+    ollama_api,
+    openai_api,
+    policy,
+    responses_api,
+)
 from localrun.server.config import ServerConfig
 from localrun.server.errors import APIError
 from localrun.server.jobs import stop_all
@@ -56,13 +64,16 @@ def create_app(config: ServerConfig, *, manager: ModelManager | None = None) -> 
             yield
         finally:
             await manager.stop()
+            responses_api.close_store(app)
 
     app = FastAPI(title="localrun", version=__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.state.localrun = state
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(ollama_api.router)
+    app.include_router(manage_api.router)
 
     @app.head("/health", include_in_schema=False)
     @app.get("/health", **spec.operation("GET", "/health", "localrun",
@@ -122,7 +133,7 @@ def create_app(config: ServerConfig, *, manager: ModelManager | None = None) -> 
     app.add_middleware(BrowserGuardMiddleware, config=config)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
-                           allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
+                           allow_methods=["GET", "POST", "DELETE", "HEAD", "OPTIONS"],
                            allow_headers=["Authorization", "Content-Type", "x-api-key",
                                           "anthropic-version", "anthropic-beta"],
                            allow_credentials=False)
@@ -325,7 +336,8 @@ class AccessLogMiddleware(_HTTPMiddleware):
     def _log(self, scope: Scope, status: int, seconds: float, stream: bool,
              refusal: bytes = b"") -> None:
         path = scope.get("path", "")
-        endpoint = "/v1/models/{model}" if _MODEL_PATH.match(path) else path
+        endpoint = "/v1/models/{model}" if _MODEL_PATH.match(path) and \
+            path not in _ENDPOINTS else path
         known = endpoint in _ENDPOINTS
         note = scope.get("state", {})
         model = note.get("model", "")
@@ -393,7 +405,9 @@ def printable(text: str, *, quotes: bool = True) -> str:
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
               "/v1/embeddings", "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",
               "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/pull", "/health",
-              "/metrics", "/", "/v1/messages", "/v1/messages/count_tokens", "/openapi.json"}
+              "/metrics", "/", "/v1/messages", "/v1/messages/count_tokens", "/openapi.json",
+              "/v1/responses", "/api/create", "/api/copy", "/api/delete", "/models/load",
+              "/models/unload", "/v1/models/load", "/v1/models/unload"}
 
 
 # -- running it -------------------------------------------------------------------------
