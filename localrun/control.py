@@ -57,17 +57,9 @@ def server_url(host: str | None = None, port: int | None = None) -> str:
     """The server's base URL from ``--host``/``--port``, ``$LOCALRUN_HOST`` and the
     defaults. A wildcard listen address (0.0.0.0, ::) means this machine."""
     text = (host or os.environ.get(HOST_ENV) or "").strip()
-    scheme = "http"
-    if "://" in text:
-        parts = urlsplit(text)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise LocalrunError(f"Cannot read the server address {text!r}",
-                                hint="give host:port or http://host:port, e.g. "
-                                f"{HOST_ENV}=127.0.0.1:{DEFAULT_PORT}")
-        scheme, name, given = parts.scheme, parts.hostname, parts.port
-        path = parts.path.rstrip("/")
-    else:
-        name, given, path = _split_host(text)
+    scheme = urlsplit(text).scheme if "://" in text else "http"
+    name, given = parse_address(text)
+    path = urlsplit(text).path.rstrip("/") if "://" in text else ""
     chosen = port if port is not None else given if given is not None else (
         443 if scheme == "https" and "://" in text else DEFAULT_PORT)
     if not 0 < chosen <= 65535:
@@ -78,6 +70,25 @@ def server_url(host: str | None = None, port: int | None = None) -> str:
     if ":" in name and not name.startswith("["):
         name = f"[{name}]"
     return f"{scheme}://{name}:{chosen}{path}"
+
+
+def parse_address(text: str) -> tuple[str, int | None]:
+    """``host``, ``host:port``, ``:port``, ``[v6]:port`` or ``http(s)://host:port`` (as
+    Ollama reads ``OLLAMA_HOST``) -> (host, port); "" and None where not given."""
+    text = text.strip()
+    if "://" in text:
+        parts = urlsplit(text)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+            raise LocalrunError(f"Cannot read the server address {text!r}",
+                                hint="give host:port or http://host:port, e.g. "
+                                f"{HOST_ENV}=127.0.0.1:{DEFAULT_PORT}")
+        return parts.hostname, port
+    name, given, _ = _split_host(text)
+    return name, given
 
 
 def _split_host(text: str) -> tuple[str, int | None, str]:
@@ -139,6 +150,8 @@ class LoadedModel:
     waiting: int | None
     #: named on serve's command line; None where the server does not say
     pinned: bool | None = None
+    #: the presets whose requests it served (a preset runs on its model's copy)
+    presets: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,7 +178,8 @@ class LoadedModel:
                    format=text(details.get("format")),
                    quantization=text(details.get("quantization_level")),
                    parallel=num("parallel"), running=num("running"), waiting=num("waiting"),
-                   pinned=pinned if isinstance(pinned, bool) else None)
+                   pinned=pinned if isinstance(pinned, bool) else None,
+                   presets=tuple(p for p in d.get("presets") or () if isinstance(p, str)))
 
 
 def _seconds_left(stamp: str | None, now: datetime | None) -> float | None:
@@ -256,11 +270,13 @@ class Server:
         return [LoadedModel.from_ps(d, now) for d in items if isinstance(d, dict)]
 
     def stop(self, name: str) -> StopResult:
-        """Unload ``name`` (as ``ps`` lists it). LocalrunError when no model of that name
-        is loaded; a model the server keeps comes back with the reason."""
+        """Unload ``name`` (as ``ps`` lists it, or a preset it lists: the model that
+        preset runs). LocalrunError when no model of that name is loaded; a model the
+        server keeps comes back with the reason."""
         before = self.ps()
         mine = [m for m in before if m.name == name] or \
-            [m for m in before if m.name.lower() == name.lower()]
+            [m for m in before if m.name.lower() == name.lower()] or \
+            [m for m in before if name.lower() in (p.lower() for p in m.presets)]
         if not mine:
             listed = ", ".join(m.name for m in before) or "none"
             raise LocalrunError(f"No model named {name!r} is loaded at {self.url} "
@@ -269,6 +285,8 @@ class Server:
         shown = mine[0].name
         self._call("POST", "/api/generate", {"model": shown, "keep_alive": 0})
         still = tuple(m for m in self.ps() if m.name == shown)
+        if mine[0].name.lower() != name.lower():  # a preset's name: its model's copy
+            shown = name
         freed = sum(m.size or 0 for m in mine) - sum(m.size or 0 for m in still)
         if not still:
             return StopResult(shown, "unloaded", freed, ())
@@ -292,4 +310,4 @@ def _error_text(body: bytes) -> str:
 
 
 __all__ = ["HOST_ENV", "KEY_ENV", "LoadedModel", "Server", "ServerAuthError",
-           "ServerUnreachableError", "StopResult", "read_key", "server_url"]
+           "ServerUnreachableError", "StopResult", "parse_address", "read_key", "server_url"]

@@ -6,8 +6,9 @@ Bounded: loopback only, ``EXAMPLES`` examples per operation and mode, each reque
 remaining examples are not sent; the test says how many were). Valid requests are
 steered to the preloaded test model with at most ``TOKENS`` tokens (``num_ctx`` left
 out, so no second copy loads), so generation runs for real; invalid ones go as generated.
-The server has no API key and allows no downloads or local paths: a generated model name
-is looked up on disk and refused, never fetched.
+The server has no API key and allows no downloads, local paths or deletes: a generated
+model name is looked up on disk and refused, never fetched; presets made by the
+management routes go to a localrun home of the run's own.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ EXAMPLES = 5
 REQUEST_TIMEOUT = 60
 TIME_LIMIT = 300
 TOKENS = 4
+#: issue 31's management routes, fuzzed like the others
+MANAGEMENT = {"POST /api/create", "POST /api/copy", "DELETE /api/delete", "POST /models/load",
+              "POST /models/unload", "POST /v1/models/load", "POST /v1/models/unload"}
 GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/api/chat",
               "/api/generate", "/v1/responses"}
 
@@ -85,6 +89,8 @@ def test_the_served_spec_drives_a_fuzzer_to_no_5xx(srv: Running) -> None:
     stop_at = time.monotonic() + TIME_LIMIT
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 20, [op.label for op in operations]
+    labels = {op.label for op in operations}
+    assert labels >= MANAGEMENT, sorted(MANAGEMENT - labels)
     assert {"POST /v1/responses", "GET /v1/responses/{response_id}",
             "DELETE /v1/responses/{response_id}",
             "GET /v1/responses/{response_id}/input_items"} <= {op.label for op in operations}

@@ -177,7 +177,8 @@ def ps(
     api_key_file: KeyFileOpt = None,
 ) -> None:
     """List the models a running localrun serve holds: engine, device, memory,
-    context, and when each unloads if left idle.
+    context, and when each unloads if left idle ("never (pinned)": named on
+    serve's command line). A preset runs on its model's copy, shown beside it.
 
     The server is found at --host/--port, else $LOCALRUN_HOST, else
     127.0.0.1:8799; a server started with a key needs it: $LOCALRUN_API_KEY
@@ -211,14 +212,16 @@ def ps(
     for m in models:
         busy = f"{m.running or 0} running, {m.waiting or 0} waiting" if (
             m.running or m.waiting) else "idle"
-        table.add_row(escape(m.name), escape(m.backend or "-"), escape(m.device or "-"),
-                      _mib(m.size), str(m.context_length or "-"), _until(m.expires_in), busy)
+        name = m.name + (f" (preset {', '.join(m.presets)})" if m.presets else "")
+        unloads = "never (pinned)" if m.pinned else _until(m.expires_in)
+        table.add_row(escape(name), escape(m.backend or "-"), escape(m.device or "-"),
+                      _mib(m.size), str(m.context_length or "-"), unloads, busy)
     Console(soft_wrap=True, highlight=False).print(table)
 
 
 def stop(
     name: Annotated[str, typer.Argument(help="A loaded model's name, as localrun ps "
-                                        "lists it.")],
+                                        "lists it, or a preset's (its model).")],
     json_out: Annotated[bool, typer.Option("--json", help="Print what happened as JSON.")]
     = False,
     host: HostOpt = None,

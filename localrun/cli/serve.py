@@ -28,10 +28,14 @@ def serve(
     models: Annotated[list[str] | None, typer.Argument(
         help="Models to load now and keep loaded (any name localrun accepts). Others load "
         "on their first request.", show_default=False)] = None,
-    host: Annotated[str, typer.Option("--host", help="Address to listen on. Anything but "
-                    "loopback needs --api-key (or --insecure).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", "-p", help="Port (0: any free port).")]
-    = DEFAULT_PORT,
+    host: Annotated[str | None, typer.Option(
+        "--host", envvar="LOCALRUN_HOST", show_envvar=False,
+        help="Address to listen on: host, host:port or http://host:port (default: "
+        "$LOCALRUN_HOST, read as Ollama reads OLLAMA_HOST, else 127.0.0.1). Anything but "
+        "loopback needs --api-key (or --insecure).", show_default=False)] = None,
+    port: Annotated[int | None, typer.Option(
+        "--port", "-p", help=f"Port (0: any free port; default: the one in --host, else "
+        f"{DEFAULT_PORT}).", show_default=False)] = None,
     api_key: Annotated[str | None, typer.Option(
         "--api-key", help="Require 'Authorization: Bearer KEY' on every route but /health "
         "(and allow API requests to download and to load local paths). Other users of this "
@@ -66,6 +70,10 @@ def serve(
         "--allow-local-paths", help="Let API requests load files and folders by path "
         "(/x/m.gguf, ./m, ~/m). Off by default unless an API key is set; models named "
         "here always load.")] = False,
+    allow_delete: Annotated[bool, typer.Option(
+        "--allow-delete", help="Let /api/delete delete model files: only what localrun "
+        "pulled under the name, as localrun rm. Off by default unless an API key is set; "
+        "presets are deleted either way.")] = False,
     request_timeout: Annotated[float, typer.Option(
         "--request-timeout", help="Seconds one request may take, queue included (0: no "
         "limit); then it is stopped and answered 504.")] = DEFAULT_REQUEST_TIMEOUT,
@@ -147,12 +155,13 @@ def serve(
                             hint=pip_install("serve")) from None
 
     key = _api_key(api_key, api_key_file)
+    host, port = listen_address(host, port)
     config = ServerConfig(
         models=tuple(models or ()), host=host, port=port, api_key=key,
         parallel=parallel, max_queue=max_queue,
         keep_alive=parse_duration(keep_alive, what="--keep-alive"),
         cors_origins=_listed(cors_origins), allowed_hosts=_listed(allowed_hosts),
-        allow_pull=allow_pull, allow_local_paths=allow_local_paths,
+        allow_pull=allow_pull, allow_local_paths=allow_local_paths, allow_delete=allow_delete,
         request_timeout=request_timeout if request_timeout > 0 else None,
         drain_timeout=max(0.0, drain_timeout), max_request_bytes=int(max_request_mb * 2**20),
         header_timeout=header_timeout, body_timeout=body_timeout,
@@ -171,7 +180,11 @@ def serve(
     config = replace(config, port=sock.getsockname()[1])
     _setup_logging()
     manager = ModelManager(config, Metrics())
-    loaded = manager.preload(config.models, load=loading.load)
+
+    def load(name: str, **preset: Any) -> Any:  # a preset's model: with its values
+        return (replace(loading, **preset) if preset else loading).load(name)
+
+    loaded = manager.preload(config.models, load=load)
     app = create_app(config, manager=manager)
     tune_process()
     server = make_server(app, config)  # its caps sized from the limits tune_process set
@@ -179,6 +192,17 @@ def serve(
     sys.stderr.flush()
     server.run(sockets=[sock])
     sys.stderr.write("localrun serve stopped\n")
+
+
+def listen_address(host: str | None, port: int | None) -> tuple[str, int]:
+    """Where to listen: ``--host`` (or ``$LOCALRUN_HOST``: ``host``, ``host:port``,
+    ``:port`` or ``http://host:port``, as Ollama reads ``OLLAMA_HOST``) and ``--port``,
+    which wins over a port in the host; 127.0.0.1 and 8799 by default."""
+    from localrun.control import parse_address
+
+    name, given = parse_address(host or "")
+    chosen = port if port is not None else given if given is not None else DEFAULT_PORT
+    return name or "127.0.0.1", chosen
 
 
 def _listed(values: list[str] | None) -> tuple[str, ...]:
@@ -274,8 +298,10 @@ def banner(config: Any, loaded: list[Any]) -> str:
         i = m.info
         quant = f" {i.quantization}" if i.quantization else ""
         at_once = "one request at a time" if m.slots == 1 else f"{m.slots} requests at once"
-        lines.append(f"  model {m.name} · {i.backend} {i.engine_version} · {i.format}{quant} "
-                     f"· {i.device or 'cpu'} · context {i.context_length} · {at_once}")
+        also = f" (preset {', '.join(sorted(m.presets))})" if m.presets else ""
+        lines.append(f"  model {m.name}{also} · {i.backend} {i.engine_version} · "
+                     f"{i.format}{quant} · {i.device or 'cpu'} · context {i.context_length} "
+                     f"· {at_once}")
     keep = format_duration(config.keep_alive)
     lines.append(f"  {'other models' if loaded else 'models'} load on their first request "
                  f"(any name localrun accepts); idle ones unload after {keep}")
@@ -302,7 +328,8 @@ def banner(config: Any, loaded: list[Any]) -> str:
     lines.append("  API requests may download models: "
                  f"{allowed('--allow-pull', config.pull_allowed)} · load local paths: "
                  f"{allowed('--allow-local-paths', config.local_paths_allowed)}")
-    name = loaded[0].name if loaded else "smollm2:135m"
+    name = (min(loaded[0].presets) if loaded[0].presets else loaded[0].name) if loaded \
+        else "smollm2:135m"
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}]})
     key = ' -H "Authorization: Bearer $LOCALRUN_API_KEY"' if config.api_key else ""
     lines.append("Try:")

@@ -27,7 +27,15 @@ from starlette.requests import ClientDisconnect
 
 from localrun import __version__
 from localrun.errors import LocalrunError
-from localrun.server import anthropic_api, limits, ollama_api, openai_api, policy, responses_api
+from localrun.server import (
+    anthropic_api,
+    limits,
+    manage_api,
+    ollama_api,
+    openai_api,
+    policy,
+    responses_api,
+)
 from localrun.server.config import ServerConfig
 from localrun.server.errors import APIError
 from localrun.server.jobs import stop_all
@@ -65,6 +73,7 @@ def create_app(config: ServerConfig, *, manager: ModelManager | None = None) -> 
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(ollama_api.router)
+    app.include_router(manage_api.router)
 
     @app.head("/health", include_in_schema=False)
     @app.get("/health", **spec.operation("GET", "/health", "localrun",
@@ -327,7 +336,8 @@ class AccessLogMiddleware(_HTTPMiddleware):
     def _log(self, scope: Scope, status: int, seconds: float, stream: bool,
              refusal: bytes = b"") -> None:
         path = scope.get("path", "")
-        endpoint = "/v1/models/{model}" if _MODEL_PATH.match(path) else path
+        endpoint = "/v1/models/{model}" if _MODEL_PATH.match(path) and \
+            path not in _ENDPOINTS else path
         known = endpoint in _ENDPOINTS
         note = scope.get("state", {})
         model = note.get("model", "")
@@ -396,7 +406,8 @@ _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/mode
               "/v1/embeddings", "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",
               "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/pull", "/health",
               "/metrics", "/", "/v1/messages", "/v1/messages/count_tokens", "/openapi.json",
-              "/v1/responses"}
+              "/v1/responses", "/api/create", "/api/copy", "/api/delete", "/models/load",
+              "/models/unload", "/v1/models/load", "/v1/models/unload"}
 
 
 # -- running it -------------------------------------------------------------------------

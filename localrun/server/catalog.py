@@ -1,15 +1,26 @@
-"""What /v1/models, /api/tags, /api/ps and /api/show list: loaded models and models on disk."""
+"""What /v1/models, /api/tags, /api/ps and /api/show list: loaded models, presets and
+models on disk.
+
+A preset is listed under its own name, with the model it runs (``from``; Ollama's
+``details.parent_model``); a file's path is named only to clients with the API key
+(:func:`shows_paths`), so a preset made from a path shows the file's name to others.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+from dataclasses import replace
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localrun.server.manager import Loaded
 from localrun.server.state import ServerState
 from localrun.stores import StoredModel
+
+if TYPE_CHECKING:
+    from localrun.presets import Preset
 
 #: Ollama's way of saying "never expires" is a date far away; clients parse it as a date.
 FOREVER = "2318-01-01T00:00:00Z"
@@ -65,7 +76,7 @@ def loaded_entry(m: Loaded, paths: bool = False) -> dict[str, Any]:
              "owned_by": "localrun", "loaded": True, "kind": m.kind, "backend": i.backend,
              "format": i.format, "quantization": i.quantization, "device": i.device,
              "context_length": i.context_length, "expires_at": m.expires_wall(),
-             "parallel": m.slots}
+             "parallel": m.slots, "pinned": m.pinned, "presets": sorted(m.presets)}
     return {**entry, "path": i.path} if paths else entry
 
 
@@ -81,6 +92,8 @@ def loaded_entries(st: ServerState, paths: bool) -> list[dict[str, Any]]:
         if first is entry:
             continue
         first["contexts"] = sorted({*first["contexts"], *entry["contexts"]})
+        first["presets"] = sorted({*first["presets"], *entry["presets"]})
+        first["pinned"] = first["pinned"] or entry["pinned"]
         first["context_length"] = max(first["context_length"], entry["context_length"])
         first["parallel"] += entry["parallel"]
         ends = [first["expires_at"], entry["expires_at"]]
@@ -89,12 +102,22 @@ def loaded_entries(st: ServerState, paths: bool) -> list[dict[str, Any]]:
 
 
 async def model_list(st: ServerState) -> list[dict[str, Any]]:
-    """/v1/models: loaded first (as requested), then everything on disk by its names;
-    each name once."""
+    """/v1/models: loaded first (as requested), then presets, then everything on disk by
+    its names; each name once."""
     paths = shows_paths(st)
     out = loaded_entries(st, paths)
     seen = {e["id"] for e in out}
-    for m in await asyncio.to_thread(disk_models):
+    disk, saved = await asyncio.to_thread(_disk_and_presets, st)
+    for p in saved:
+        if p.name in seen:
+            continue
+        seen.add(p.name)
+        loaded = any(p.name in m.presets for m in st.manager.models.values())
+        out.append({"id": p.name, "object": "model", "created": int(p.created_at),
+                    "owned_by": "localrun", "loaded": loaded, "preset": True,
+                    "from": shown_model(p.model, paths),
+                    "context_length": p.context})
+    for m in disk:
         for name in names_of(m):
             if name in seen:
                 continue
@@ -106,15 +129,44 @@ async def model_list(st: ServerState) -> list[dict[str, Any]]:
     return out
 
 
+def _disk_and_presets(st: ServerState) -> tuple[list[StoredModel], list[Preset]]:
+    return disk_models(), st.manager.presets.all()
+
+
+async def tags_list(st: ServerState) -> list[dict[str, Any]]:
+    """/api/tags: presets, then models on disk, then models loaded from elsewhere."""
+    disk, saved = await asyncio.to_thread(_disk_and_presets, st)
+    return ollama_tags(st, disk, saved)
+
+
+def shown_model(model: str, paths: bool) -> str:
+    """A preset's model as a client is told it: a path only with the key (else the
+    file's or folder's name)."""
+    from localrun.server.policy import looks_like_path
+
+    if paths or not looks_like_path(model):
+        return model
+    return os.path.basename(model.rstrip("/\\")) or model
+
+
 def details(fmt: str | None, arch: str | None, quant: str | None) -> dict[str, Any]:
     return {"parent_model": "", "format": fmt or "", "family": arch or "",
             "families": [arch] if arch else [], "parameter_size": "",
             "quantization_level": quant or ""}
 
 
-def ollama_tags(st: ServerState, disk: list[StoredModel]) -> list[dict[str, Any]]:
+def ollama_tags(st: ServerState, disk: list[StoredModel],
+                saved: list[Preset] | None = None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     seen: set[str] = set()
+    paths = shows_paths(st)
+    for p in saved or ():
+        seen.add(p.name)
+        base = next((m for m in disk if p.model in names_of(m) or p.model == m.path), None)
+        info = details(base.format if base else None, None, base.quant if base else None)
+        info["parent_model"] = shown_model(p.model, paths)
+        out.append({"name": p.name, "model": p.name, "modified_at": rfc3339(p.created_at),
+                    "size": base.size if base else 0, "digest": "", "details": info})
     for m in disk:
         for name in names_of(m):
             if name in seen:
@@ -144,8 +196,10 @@ def ollama_ps(st: ServerState) -> list[dict[str, Any]]:
                     "expires_at": FOREVER if expires is None else rfc3339(expires),
                     "size_vram": m.size if on_gpu else 0, "context_length": i.context_length,
                     "backend": i.backend, "device": i.device,
-                    # localrun's: requests it runs at once, and how many do now
-                    "parallel": m.slots, "running": m.running, "waiting": m.waiting})
+                    # localrun's: requests it runs at once, and how many do now; named
+                    # on the command line (kept loaded); the presets it has served
+                    "parallel": m.slots, "running": m.running, "waiting": m.waiting,
+                    "pinned": m.pinned, "presets": sorted(m.presets)})
     return out
 
 
@@ -156,3 +210,82 @@ def _size(path: str) -> int:
         return folder_bytes(path)  # as far as detection looks (bounded)
     except OSError:
         return 0
+
+
+# -- /api/show ----------------------------------------------------------------------------
+
+def on_disk(model: str) -> tuple[str, str | None, str | None, int | None, bool, str] | None:
+    """A model on this machine by any of its names, as /api/show describes it: format,
+    architecture, quant, trained context, embedding-only, path; None if not here."""
+    from localrun.errors import LocalrunError
+    from localrun.resolve import resolve_local
+    from localrun.server.embeddings import embedding_only
+
+    try:
+        target = resolve_local(model)
+    except LocalrunError:
+        for m in disk_models():
+            if model in (m.name, *m.pulled_as):
+                try:
+                    target = resolve_local(m.path)
+                except LocalrunError:
+                    return None
+                break
+        else:
+            return None
+    from localrun.formats.detect import detect
+
+    d = detect(target.path)
+    return (d.format, d.architecture, d.quantization, d.context_length,
+            embedding_only(target.path, target.format), target.path)
+
+
+def show_body(fmt: str, arch: str | None, quant: str | None, ctx: int | None,
+              embeds: bool, path: str | None) -> dict[str, Any]:
+    info: dict[str, Any] = {"general.architecture": arch or ""}
+    if arch and ctx:
+        info[f"{arch}.context_length"] = ctx
+    caps = ["embedding"] if embeds else ["completion", "tools"]
+    return {"modelfile": "", "parameters": "", "template": "", "license": "",
+            "details": details(fmt, arch, quant), "model_info": info, "capabilities": caps,
+            "modified_at": rfc3339(), "localrun": {"path": path} if path else {}}
+
+
+#: the preset's names for what Ollama's ``parameters`` text calls otherwise
+OLLAMA_PARAMETERS = {"repetition_penalty": "repeat_penalty", "max_tokens": "num_predict"}
+
+
+def ollama_parameters(p: Preset) -> str:
+    """A preset's values as Ollama's /api/show writes ``parameters``: one per line, the
+    name padded to 30 columns, ``stop`` once per string (quoted)."""
+    lines = []
+    for key, value in p.sampling.items():
+        name = OLLAMA_PARAMETERS.get(key, key)
+        for v in (value if key == "stop" else (value,)):
+            shown = json.dumps(v, ensure_ascii=False) if key == "stop" else str(v)
+            lines.append(f"{name:<30} {shown}")
+    if p.context is not None:
+        lines.append(f"{'num_ctx':<30} {p.context}")
+    return "\n".join(lines)
+
+
+def preset_show(st: ServerState, p: Preset) -> dict[str, Any]:
+    """/api/show for a preset: its model's details where that is on disk, the preset
+    as a Modelfile (``localrun show``'s text), its ``parameters``, ``system`` and
+    example ``messages``. Blocking (reads the disk): call it in a worker thread."""
+    from localrun.presetfile import format_preset
+    from localrun.presets import Adapter
+
+    paths = shows_paths(st)
+    found = on_disk(p.model)
+    fmt, arch, quant, ctx, embeds, path = found or ("", None, None, None, False, None)
+    body = show_body(fmt, arch, quant, p.context or ctx, embeds, path if paths else None)
+    shown = p if paths else replace(p, model=shown_model(p.model, False), adapters=tuple(
+        Adapter(os.path.basename(a.path), a.scale) for a in p.adapters))
+    body["modelfile"] = format_preset(shown)
+    body["parameters"] = ollama_parameters(p)
+    body["system"] = p.system or ""
+    body["messages"] = [{"role": r, "content": c} for r, c in p.messages]
+    body["details"]["parent_model"] = shown.model
+    body["modified_at"] = rfc3339(p.created_at)
+    return body

@@ -63,6 +63,8 @@ class ServerConfig:
     allow_pull: bool = False
     #: API requests may load files and folders by path; an API key allows it too
     allow_local_paths: bool = False
+    #: /api/delete may delete model files (what localrun pulled); an API key allows it too
+    allow_delete: bool = False
 
     def check(self) -> None:
         """Refuse settings that make no sense, or that would expose the server unasked."""
@@ -109,6 +111,11 @@ class ServerConfig:
     def pull_allowed(self) -> bool:
         """Whether API requests may download models (see :mod:`localrun.server.policy`)."""
         return self.allow_pull or bool(self.api_key)
+
+    @property
+    def delete_allowed(self) -> bool:
+        """Whether /api/delete may delete model files (see :mod:`localrun.server.policy`)."""
+        return self.allow_delete or bool(self.api_key)
 
     @property
     def local_paths_allowed(self) -> bool:

@@ -1,11 +1,17 @@
 """Which loaded model serves a request, whatever the request calls it.
 
-A model is loaded once per file and context. Every spelling of one file is that file
-(``/x/m.gguf``, ``/x``, ``/x/./m.gguf``, a symlink, the alias it was pulled as: one
+A request's name is first read as a preset's (:func:`ask`): a preset is its model plus
+per-request defaults, so its request loads (or shares) its model's copy at the preset's
+context and on its engine, and :class:`PresetModel` applies its system prompt, example
+turns and sampling defaults to each call on that shared copy; the presets file is read
+again only when it changes (:class:`PresetTable`).
+
+A model is loaded once per file, engine and context. Every spelling of one file is that
+file (``/x/m.gguf``, ``/x``, ``/x/./m.gguf``, a symlink, the alias it was pulled as: one
 device and inode), and a request's context is the one the engine would load (``num_ctx``
 capped at the context the model was trained for, as :func:`localrun.memory.context_window`
 decides for every engine, then rounded up as the engine rounds it: llama.cpp pads to
-256). That pair is a loaded model's key. At most :data:`MAX_COPIES` contexts of one
+256). That triple is a loaded model's key. At most :data:`MAX_COPIES` contexts of one
 file are loaded at once (see :class:`localrun.server.manager.ModelManager`).
 """
 
@@ -13,9 +19,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from localrun.errors import UnknownModelError
 from localrun.server.config import ServerConfig
@@ -23,6 +29,7 @@ from localrun.server.errors import APIError
 from localrun.server.sizing import Kind
 
 if TYPE_CHECKING:
+    from localrun.presets import Preset
     from localrun.resolve import Target
     from localrun.types import ModelInfo
 
@@ -135,24 +142,149 @@ def pick(copies: Sequence[C], mf: ModelFile, kind: Kind, name: str, asked: int |
 
 
 class Names:
-    """The names requests used and the file each came to: a name's next request needs
-    no lookup. Forgotten when no copy of that file is loaded (the name may mean another
-    file by then); at most :data:`MAX_NAMES`, the oldest forgotten first."""
+    """The names requests used and the file each came to (under the engine asked for):
+    a name's next request needs no lookup. Forgotten when no copy of that file is loaded
+    (the name may mean another file by then); at most :data:`MAX_NAMES`, the oldest
+    forgotten first."""
 
     def __init__(self) -> None:
-        self._files: dict[tuple[Kind, str], ModelFile] = {}
+        self._files: dict[tuple[Kind, str, str], ModelFile] = {}
 
-    def get(self, kind: Kind, name: str) -> ModelFile | None:
-        return self._files.get((kind, name))
+    def get(self, kind: Kind, name: str, backend: str) -> ModelFile | None:
+        return self._files.get((kind, name, backend))
 
-    def learn(self, kind: Kind, name: str, mf: ModelFile | None) -> None:
+    def learn(self, kind: Kind, name: str, backend: str, mf: ModelFile | None) -> None:
         if mf is None:
             return
-        self._files.pop((kind, name), None)
-        self._files[(kind, name)] = mf
+        self._files.pop((kind, name, backend), None)
+        self._files[(kind, name, backend)] = mf
         while len(self._files) > MAX_NAMES:
             del self._files[next(iter(self._files))]
 
     def forget(self, kind: Kind, file: FileId) -> None:
         for k in [k for k, f in self._files.items() if k[0] == kind and f.id == file]:
             del self._files[k]
+
+
+# -- presets -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Asked:
+    """What a request's model name asks for: ``model`` loads (the name itself, or the
+    preset's model) at ``context`` (the request's, else the preset's; None: the server's
+    ``--context``, else the model's default) with ``config`` (the server's, with the
+    preset's engine and allow_unoptimized where it sets them)."""
+
+    name: str
+    model: str
+    context: int | None
+    config: ServerConfig
+    preset: Preset | None = None
+
+    @property
+    def backend(self) -> str:
+        """The engine asked for ("auto": the one the host rules pick)."""
+        return self.config.backend
+
+
+class PresetTable:
+    """The presets (:mod:`localrun.presets`), read again only when their file changes
+    (its size, time or inode), so a request pays one ``stat``. A damaged file fails only
+    the names that could mean nothing else, as :func:`localrun.presets.lookup` does."""
+
+    def __init__(self) -> None:
+        self._stamp: tuple[Any, ...] | None = None
+        self._by: dict[str, Preset] = {}
+        self._error: Exception | None = None
+
+    def get(self, name: str) -> Preset | None:
+        """The preset called ``name`` (any case), or None; PresetError where the file
+        cannot be read and ``name`` can only be a preset's."""
+        from localrun import presets
+
+        if not presets.could_be(name):
+            return None
+        path = presets.presets_path()
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return presets.lookup(name)  # says why it cannot be read
+        stamp = (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp != self._stamp:
+            try:
+                self._by, self._error = {p.name.lower(): p for p in presets.all_presets()}, None
+            except presets.PresetError as e:
+                self._by, self._error = {}, e
+            self._stamp = stamp
+        if self._error is not None and presets.shadowed(name) is None:
+            raise self._error
+        return self._by.get(name.lower())
+
+    def all(self) -> list[Preset]:
+        """Every preset (an unreadable file: none)."""
+        from localrun import presets
+
+        try:
+            return presets.all_presets()
+        except presets.PresetError:
+            return []
+
+
+def ask(name: str, context: int | None, config: ServerConfig,
+        table: PresetTable) -> Asked:
+    """What ``name`` asks for (a preset read first); PresetError (a 400) for a preset
+    that cannot load (one with an adapter, until adapters load)."""
+    preset = table.get(name)
+    if preset is None:
+        return Asked(name, name, context, config)
+    model, backend, ctx, unoptimized = preset.load_args(config.backend, context,
+                                                        config.allow_unoptimized)
+    if (backend, unoptimized) != (config.backend, config.allow_unoptimized):
+        config = replace(config, backend=backend, allow_unoptimized=unoptimized)
+    return Asked(name, model, ctx, config, preset)
+
+
+class PresetModel:
+    """A loaded model answering as a preset, for one request: each call gets the
+    preset's system prompt (unless the conversation has its own) and example turns, and
+    its sampling values where the call sets none, between the caller's and the model's
+    own, as ``localrun.load(PRESET)`` would; the model itself is shared with every
+    other request for it. Anything else is the model's."""
+
+    def __init__(self, model: Any, preset: Preset) -> None:
+        self.model = model
+        self.preset = preset
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def _sampling(self, given: dict[str, Any]) -> dict[str, Any]:
+        out = dict(given)
+        for key, value in self.preset.sampling.items():
+            if out.get(key) is None:
+                out[key] = value
+        return out
+
+    def _conversation(self, messages: Any) -> Any:
+        from localrun.templates import normalize_messages
+
+        return self.preset.conversation(normalize_messages(messages))
+
+    def stream(self, messages: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("raw"):
+            messages = self._conversation(messages)
+        return self.model.stream(messages, **self._sampling(kwargs))
+
+    def chat(self, messages: Any, **kwargs: Any) -> Any:
+        return self.stream(messages, **kwargs).join()
+
+    def complete(self, prompt: Any, **kwargs: Any) -> Any:
+        return self.stream(prompt, raw=True, **kwargs).join()
+
+    def batch(self, items: Iterable[Any], **kwargs: Any) -> Any:
+        return self.model.batch(self.preset.batch_items(items), **self._sampling(kwargs))
+
+    def count_prompt_tokens(self, messages: Any, **kwargs: Any) -> int:
+        return int(self.model.count_prompt_tokens(self._conversation(messages), **kwargs))

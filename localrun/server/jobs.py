@@ -134,7 +134,7 @@ class Job:
         answer): the reply comes as one "done" event, its pieces never cross threads."""
         job = await cls.open(request, endpoint, model, context=context, keep_alive=keep_alive)
         try:
-            handle = job.loaded.handle
+            handle = job.handle
             job.run(lambda token: call(handle, token), whole=not stream)
             return job, await job.first()
         except BaseException:
@@ -151,7 +151,7 @@ class Job:
         job = await cls.open(request, endpoint, model, kind=kind, context=context,
                              keep_alive=keep_alive)
         try:
-            handle = job.loaded.handle
+            handle = job.handle
             job.run(lambda token: work(handle))
             event = await job.next()
             if event.kind == "error":
@@ -165,6 +165,12 @@ class Job:
     def loaded(self) -> Loaded:
         assert self.lease is not None
         return self.lease.loaded
+
+    @property
+    def handle(self) -> Any:
+        """The model this request calls (a preset's: the shared copy, as the preset)."""
+        assert self.lease is not None
+        return self.lease.handle
 
     # -- reading what it made ---------------------------------------------------------
 

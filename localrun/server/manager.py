@@ -16,10 +16,15 @@ request fits). Idle models unload after their keep-alive, and when a model about
 load would not fit, idle models go first, least recently used first.
 
 A name is looked up on disk before the load lock is taken (bounded: formats/detect.py),
-and the client may leave during any wait. Loaded models are keyed by file and the
-context the engine loads (:mod:`localrun.server.copies`): spellings of a file and
+and the client may leave during any wait. Loaded models are keyed by file, engine and
+the context the engine loads (:mod:`localrun.server.copies`): spellings of a file and
 ``num_ctx`` values that come to one context share a copy, at most ``MAX_COPIES``
-contexts of a file are loaded at once, and the command line's models stay pinned.
+contexts of a file are loaded at once, and the command line's models stay pinned. A
+preset's name is its model plus per-request defaults: its requests share its model's
+copy (at the preset's context and on its engine, which are part of the key as any
+``num_ctx`` is), and each request's lease answers as the preset
+(:class:`~localrun.server.loaded.Lease`). An unload asked for while requests run takes
+effect when they end (``Loaded.closing``).
 
 All bookkeeping happens on the event loop thread; engines load, run and close in
 worker threads.
@@ -33,21 +38,25 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from localrun.errors import LocalrunError, ModelTooLargeError
 from localrun.server.config import ServerConfig
 from localrun.server.copies import (
     MAX_COPIES,
+    Asked,
     FileId,
     ModelFile,
     Names,
+    PresetTable,
+    ask,
     file_id,
     identify,
     pick,
 )
-from localrun.server.errors import APIError
+from localrun.server.errors import APIError, from_localrun
+from localrun.server.loaded import DEFAULT_PARALLEL_CPU, Key, Lease, Loaded, settle, wanted
 from localrun.server.metrics import Metrics
 from localrun.server.sizing import (
     Batch,
@@ -61,88 +70,31 @@ from localrun.server.sizing import (
 from localrun.server.waiting import left, wait
 from localrun.types import ModelInfo
 
+__all__ = ["DEFAULT_PARALLEL_CPU", "Key", "Lease", "Loaded", "ModelManager", "Unloading"]
+
 if TYPE_CHECKING:
     from localrun.memory import MemoryEstimate
     from localrun.resolve import Target
 
 log = logging.getLogger("localrun.server")
 
-#: ``--parallel``'s default for a model on the CPU whose engine batches: requests it runs
-#: at once. A CPU's decode is bound by memory bandwidth: past a few sequences each reply
-#: slows nearly in proportion for little more throughput (docs/results/llama_batch.md:
-#: 8 small-model sequences cost about two single steps), and every slot holds a KV cache.
-#: On a GPU the engine's own capacity is the default. LM Studio's default is 4 too.
-DEFAULT_PARALLEL_CPU = 4
 
-#: A loaded model's key: what it is, which file (copies.file_id), at what context.
-Key = tuple[Kind, FileId, int | None]
+@dataclass
+class Unloading:
+    """What :meth:`ModelManager.unload` did: the copies unloaded now, those that go when
+    their requests end (``closing``), and those it keeps (named on the command line).
+    True when something was unloaded or is going."""
 
+    unloaded: list[Loaded]
+    closing: list[Loaded]
+    pinned: list[Loaded]
 
-@dataclass(eq=False)
-class Loaded:
-    """One loaded model (a ``localrun.Model``, or an embedder) and its queue."""
-
-    name: str  # as first requested: what /api/ps, logs and metrics call it
-    kind: Kind
-    context: int | None  # the context the engine loaded it with
-    handle: Any
-    info: ModelInfo
-    size: int  # bytes it is counted as (estimate, see footprint)
-    pinned: bool  # named on the command line: no keep-alive expiry
-    keep_alive: float | None
-    load_seconds: float
-    slots: int  # requests it runs at once (several: together in its engine's batch)
-    file: FileId = ""  # the file its engine opened (copies.file_id)
-    #: contexts requests asked for that it serves: ours, and the engine's own rounding
-    #: where that differs from what copies.ModelFile.context predicted
-    serves: set[int] = field(default_factory=set)
-    loaded_at: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
-    expires_at: float | None = None  # monotonic; None: not scheduled
-    active: int = 0  # admitted: running + waiting
-    running: int = 0
-    ema_seconds: float = 2.0  # recent request duration, for Retry-After
-    sem: asyncio.Semaphore = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.sem = asyncio.Semaphore(self.slots)
+    def __bool__(self) -> bool:
+        return bool(self.unloaded or self.closing)
 
     @property
-    def key(self) -> Key:
-        return (self.kind, self.file, self.context)
-
-    @property
-    def waiting(self) -> int:
-        return self.active - self.running
-
-    def expires_wall(self) -> float | None:
-        """Unix time it unloads (None: it stays)."""
-        if self.pinned or self.keep_alive is None:
-            return None
-        if self.expires_at is not None:
-            return time.time() + max(0.0, self.expires_at - time.monotonic())
-        return time.time() + self.keep_alive  # busy now: keep-alive counts from the end
-
-
-class Lease:
-    """One request's hold on a model: a place in its queue, then its slot."""
-
-    def __init__(self, manager: ModelManager, loaded: Loaded, keep_alive: float | None
-                 ) -> None:
-        self.manager = manager
-        self.loaded = loaded
-        self.keep_alive = keep_alive
-        self.has_slot = False
-        self.released = False
-        self.started = time.monotonic()
-        self.queued_seconds = 0.0
-
-    def release(self) -> None:
-        """Give back the slot and the place (idempotent; on the event loop thread)."""
-        if self.released:
-            return
-        self.released = True
-        self.manager._release(self)
+    def freed(self) -> int:
+        return sum(m.size for m in self.unloaded)
 
 
 class ModelManager:
@@ -156,6 +108,7 @@ class ModelManager:
         self._embed_loader = embed_loader or _load_embed
         self._available = available_memory or available_ram
         self.models: dict[Key, Loaded] = {}
+        self.presets = PresetTable()  # read again when presets.json changes
         self._names = Names()  # names requests used, and the file each came to
         self._load_lock: asyncio.Lock | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -177,37 +130,62 @@ class ModelManager:
             await self._unload(m, "server stopping")
 
     def preload(self, names: tuple[str, ...],
-                load: Callable[[str], Any] | None = None) -> list[Loaded]:
+                load: Callable[..., Any] | None = None) -> list[Loaded]:
         """Load the command line's models before serving (errors reach the CLI as is);
-        ``load(name)`` is the CLI's loader (download progress on the terminal)."""
+        ``load(name)`` is the CLI's loader (download progress on the terminal). A
+        preset's name loads its model (``load(model, context=, backend=,
+        allow_unoptimized=)`` with the preset's values), pinned, and that copy then
+        serves the model's own requests and the preset's alike."""
         out: list[Loaded] = []
         for name in names:
+            asked = ask(name, None, self.config, self.presets)
             try:  # another spelling of a file named already: that copy
-                got = identify(name, "chat", self.config)
+                got = identify(asked.model, "chat", asked.config)
             except Exception:
                 got = None  # the loader says what is wrong with it
             mf = got[0] if got is not None else None
-            if self._pick("chat", mf, name, None) is not None:
-                self._names.learn("chat", name, mf)
-                continue
-            t0 = time.monotonic()
-            handle = load(name) if load else self._loader(name, self.config, None)
-            out.append(self._register(name, "chat", None, handle, time.monotonic() - t0,
-                                      pinned=True, size=None))
+            found = self._pick("chat", mf, asked)
+            if found is None:
+                t0 = time.monotonic()
+                if load is None:
+                    handle = self._loader(asked.model, asked.config, asked.context)
+                elif asked.preset is None:
+                    handle = load(asked.model)
+                else:
+                    handle = load(asked.model, context=asked.context, backend=asked.backend,
+                                  allow_unoptimized=asked.config.allow_unoptimized)
+                found = self._register(_shown(asked), "chat", asked.context, handle,
+                                       time.monotonic() - t0, pinned=True, size=None,
+                                       learn=False)
+                out.append(found)
+                mf = ModelFile.of(found.info)
+            self._names.learn("chat", asked.model, asked.backend, mf)
+            if asked.preset is not None:
+                found.presets.add(asked.preset.name)
         return out
 
     # -- using a model ----------------------------------------------------------------
+
+    def ask(self, name: str, context: int | None = None) -> Asked:
+        """What ``name`` asks for (:func:`localrun.server.copies.ask`): a preset's model
+        and values, else the name; a preset that cannot load is a 400."""
+        try:
+            return ask(name, context, self.config, self.presets)
+        except LocalrunError as e:
+            raise from_localrun(e, param="model") from None
 
     async def acquire(self, name: str, *, kind: Kind = "chat", context: int | None = None,
                       keep_alive: float | Literal["default"] | None = "default",
                       deadline: float | None = None,
                       abort: asyncio.Event | None = None) -> Lease:
-        """Load ``name`` if needed, take a place in its queue (429 when full), then wait
-        for its slot (until ``deadline``, monotonic)."""
+        """Load ``name`` if needed (a preset's name: its model, shared), take a place in
+        its queue (429 when full), then wait for its slot (until ``deadline``,
+        monotonic)."""
         if not name or not isinstance(name, str):
             raise APIError(400, "Missing 'model': name the model to use (see GET /v1/models)",
                            param="model")
-        loaded = await self._instance(name, kind, context, deadline, abort)
+        asked = self.ask(name, context)
+        loaded = await self._instance(asked, kind, deadline, abort)
         capacity = loaded.slots + self.config.max_queue
         if loaded.active >= capacity:
             self.metrics.rejected.labels(model=name, reason="queue_full").inc()
@@ -217,9 +195,12 @@ class ModelManager:
                 f"waiting (--max-queue {self.config.max_queue}); retry in {retry} s",
                 code="queue_full", headers={"Retry-After": str(retry)})
         ka = self.config.keep_alive if keep_alive == "default" else keep_alive
-        lease = Lease(self, loaded, ka)
+        lease = Lease(self, loaded, ka, asked.preset)
         loaded.active += 1
         loaded.expires_at = None
+        loaded.closing = False  # asked for again: it stays
+        if asked.preset is not None:
+            loaded.presets.add(asked.preset.name)
         self._gauge(loaded)
         try:
             sem = loaded.sem
@@ -250,9 +231,12 @@ class ModelManager:
         m.last_used = time.monotonic()
         if not m.pinned:  # a request's keep_alive never unpins one named at start
             m.keep_alive = lease.keep_alive  # Ollama's rule: the last request's, or default
-        if m.active == 0 and not m.pinned and m.keep_alive is not None:
+        mine = self.models.get(m.key) is m
+        if m.active == 0 and not m.pinned and m.closing and mine:
+            self._schedule_unload(m, "asked to unload; its last request ended")
+        elif m.active == 0 and not m.pinned and m.keep_alive is not None:
             m.expires_at = m.last_used + m.keep_alive
-            if m.keep_alive == 0 and self.models.get(m.key) is m:
+            if m.keep_alive == 0 and mine:
                 self._schedule_unload(m, "keep_alive 0")
         self._gauge(m)
 
@@ -262,50 +246,52 @@ class ModelManager:
 
     # -- loading and unloading --------------------------------------------------------
 
-    async def _instance(self, name: str, kind: Kind, context: int | None,
-                        deadline: float | None, abort: asyncio.Event | None) -> Loaded:
-        """The loaded copy that serves ``name`` at ``context``, loaded if need be. A name
-        not seen before is looked up on disk first, in a worker thread and without the
-        load lock (bounded: a folder that is no model is refused quickly); the client may
-        leave meanwhile (499), or the deadline pass (504)."""
-        found = self._pick(kind, self._names.get(kind, name), name, context)
+    async def _instance(self, asked: Asked, kind: Kind, deadline: float | None,
+                        abort: asyncio.Event | None) -> Loaded:
+        """The loaded copy that serves ``asked``, loaded if need be. A name not seen
+        before is looked up on disk first, in a worker thread and without the load lock
+        (bounded: a folder that is no model is refused quickly); the client may leave
+        meanwhile (499), or the deadline pass (504)."""
+        name = asked.model
+        found = self._pick(kind, self._names.get(kind, name, asked.backend), asked)
         if found is not None:
             return found
         started = time.monotonic()
-        got = await wait(asyncio.to_thread(identify, name, kind, self.config), None,
-                         left(deadline), abort, f"for '{name}' to be found", started)
+        got = await wait(asyncio.to_thread(identify, name, kind, asked.config), None,
+                         left(deadline), abort, f"for '{asked.name}' to be found", started)
         mf, target = got if got is not None else (None, None)
-        found = self._pick(kind, mf, name, context)
+        found = self._pick(kind, mf, asked)
         if found is not None:
-            self._names.learn(kind, name, mf)
+            self._names.learn(kind, name, asked.backend, mf)
             return found
         lock = self._load_lock
         assert lock is not None, "ModelManager.start() was not called"
         # one load at a time: the fit check sees the truth
         await wait(lock.acquire(), lambda _: lock.release(), left(deadline), abort,
-                   f"to load '{name}' (another model is loading)", started)
+                   f"to load '{asked.name}' (another model is loading)", started)
         try:
-            return await self._load(name, kind, context, mf, target)
+            return await self._load(asked, kind, mf, target)
         finally:
             lock.release()
 
-    async def _load(self, name: str, kind: Kind, context: int | None,
-                    mf: ModelFile | None, target: Target | None) -> Loaded:
-        """Load ``name`` (``mf``: its file, where it is on disk; ``target``: where
+    async def _load(self, asked: Asked, kind: Kind, mf: ModelFile | None,
+                    target: Target | None) -> Loaded:
+        """Load ``asked.model`` (``mf``: its file, where it is on disk; ``target``: where
         :func:`identify` found it), holding the load lock."""
+        name, context, config = asked.model, asked.context, asked.config
         if mf is not None:
-            found = self._pick(kind, mf, name, context) or \
-                await self._within_copies(name, kind, mf, context)
+            found = self._pick(kind, mf, asked) or \
+                await self._within_copies(asked, kind, mf)
             if found is not None:
-                self._names.learn(kind, name, mf)
+                self._names.learn(kind, name, asked.backend, mf)
                 return found
-        need = await asyncio.to_thread(estimate_bytes, name, context, self.config, target)
-        await self._make_room(need, name)
+        need = await asyncio.to_thread(estimate_bytes, name, context, config, target)
+        await self._make_room(need, asked.name)
         loader = self._loader if kind == "chat" else self._embed_loader
         t0 = time.monotonic()
         while True:
             try:
-                handle = await asyncio.to_thread(loader, name, self.config, context)
+                handle = await asyncio.to_thread(loader, name, config, context)
                 break
             except ModelTooLargeError:
                 # the library's own fit check (a Hub model we could not size first):
@@ -313,58 +299,64 @@ class ModelManager:
                 victim = self._lru_idle()
                 if victim is None:
                     raise
-                await self._unload(victim, f"to make room for {name}")
+                await self._unload(victim, f"to make room for {asked.name}")
         seconds = time.monotonic() - t0
         opened = ModelFile.of(handle.info)
-        asked = {f.context(kind, context, self.config) for f in (mf, opened) if f}
-        same = self.models.get((kind, opened.id, handle.info.context_length))
+        contexts = {f.context(kind, context, config) for f in (mf, opened) if f}
+        same = self.models.get((kind, opened.id, handle.info.backend,
+                                handle.info.context_length))
         if same is not None:  # a name first seen now (a Hub alias) for a loaded copy
             await asyncio.to_thread(handle.close)
-            same.serves |= asked
-            self._names.learn(kind, name, opened)
+            same.serves |= contexts
+            self._names.learn(kind, name, asked.backend, opened)
             return same
         try:
             est = await asyncio.to_thread(estimate_loaded, handle.info, context)
             kv = est.kv_cache_bytes if est is not None else 0
             base = need if need is not None else (est.total_bytes if est is not None else 0)
-            batch = await asyncio.to_thread(self._wanted, name, kind, handle)
+            batch = await asyncio.to_thread(wanted, self.config, name, kind, handle)
             slots = await self._room_for_slots(name, base, kv, batch)
-            slots, reserved = await asyncio.to_thread(self._settle, name, handle,
+            slots, reserved = await asyncio.to_thread(settle, name, handle,
                                                       batch, slots)
         except BaseException:
             await asyncio.to_thread(handle.close)
             raise
-        m = self._register(name, kind, context, handle, seconds, pinned=False,
-                           size=need, slots=slots, estimate=est, reserved=reserved)
-        m.serves |= asked
-        copies = self._copies(kind, m.file)  # a Hub name's file is known only now
+        m = self._register(_shown(asked), kind, context, handle, seconds, pinned=False,
+                           size=need, slots=slots, estimate=est, reserved=reserved,
+                           learn=False)
+        self._names.learn(kind, name, asked.backend, opened)
+        m.serves |= contexts
+        copies = self._copies(kind, m.file, m.info.backend)  # a Hub name's: known now
         idle = [c for c in copies if c is not m and c.active == 0 and not c.pinned]
         for other in idle[:len(copies) - MAX_COPIES]:
             await self._unload(other, f"{name} is loaded at context {m.context}: at most "
                                f"{MAX_COPIES} contexts of one model at once")
         return m
 
-    def _copies(self, kind: Kind, file: FileId) -> list[Loaded]:
-        """The loaded copies of one file, least recently used first."""
-        return sorted((m for m in self.models.values() if m.kind == kind and m.file == file),
-                      key=lambda m: m.last_used)
+    def _copies(self, kind: Kind, file: FileId, backend: str | None = None
+                ) -> list[Loaded]:
+        """The loaded copies of one file (by one engine, where ``backend`` is given),
+        least recently used first."""
+        return sorted((m for m in self.models.values() if m.kind == kind and m.file == file
+                       and backend in (None, m.info.backend)), key=lambda m: m.last_used)
 
-    def _pick(self, kind: Kind, mf: ModelFile | None, name: str, context: int | None
-              ) -> Loaded | None:
-        """The loaded copy a request for ``name`` (``mf``) at ``context`` gets."""
+    def _pick(self, kind: Kind, mf: ModelFile | None, asked: Asked) -> Loaded | None:
+        """The loaded copy a request for ``asked`` (``mf``: its file) gets."""
         if mf is None:
             return None
-        return pick(self._copies(kind, mf.id), mf, kind, name, context, self.config)
+        return pick(self._copies(kind, mf.id, mf.backend), mf, kind, asked.model,
+                    asked.context, asked.config)
 
-    async def _within_copies(self, name: str, kind: Kind, mf: ModelFile,
-                             context: int | None) -> Loaded | None:
+    async def _within_copies(self, asked: Asked, kind: Kind, mf: ModelFile
+                             ) -> Loaded | None:
         """Where :data:`MAX_COPIES` contexts of ``mf`` are loaded already: the largest
         when it holds the context asked for, else none after the idle copy used least
         recently has gone (a 503 with the numbers while every copy is in use)."""
-        copies = self._copies(kind, mf.id)
+        copies = self._copies(kind, mf.id, mf.backend)
         if len(copies) < MAX_COPIES:
             return None
-        want = mf.context(kind, context, self.config)
+        name = asked.name
+        want = mf.context(kind, asked.context, asked.config)
         largest = max(copies, key=lambda m: m.context or 0)
         if (largest.context or 0) >= want:
             return largest
@@ -384,8 +376,9 @@ class ModelManager:
     def _register(self, name: str, kind: Kind, context: int | None, handle: Any,
                   seconds: float, *, pinned: bool, size: int | None,
                   slots: int | None = None, estimate: MemoryEstimate | None = None,
-                  reserved: int | None = None) -> Loaded:
-        """Make a loaded ``handle`` servable. ``size``: its estimate for one sequence
+                  reserved: int | None = None, learn: bool = True) -> Loaded:
+        """Make a loaded ``handle`` servable (``learn``: its name leads to it, under the
+        server's engine). ``size``: its estimate for one sequence
         (None: from its files); ``reserved``: what its batcher holds beyond that (see
         :func:`footprint`). ``slots`` None: decided here, as many as ``--parallel`` asks
         and memory holds beside the models loaded (none unload: this is for the models
@@ -395,9 +388,9 @@ class ModelManager:
             size = est.total_bytes if est is not None else 0
         kv = est.kv_cache_bytes if est is not None else 0
         if slots is None:
-            batch = self._wanted(name, kind, handle)
+            batch = wanted(self.config, name, kind, handle)
             slots = self._most_slots(name, size, kv, batch, 0)
-            slots, reserved = self._settle(name, handle, batch, slots)
+            slots, reserved = settle(name, handle, batch, slots)
         info: ModelInfo = handle.info
         size = footprint(size, kv, slots, reserved) + kept_bytes(handle, kind)
         m = Loaded(name=name, kind=kind, context=info.context_length or context,
@@ -405,60 +398,13 @@ class ModelManager:
                    keep_alive=self.config.keep_alive, load_seconds=seconds, slots=slots,
                    file=file_id(info.path))
         self.models[m.key] = m
-        self._names.learn(kind, name, ModelFile.of(info))
+        if learn:
+            self._names.learn(kind, name, self.config.backend, ModelFile.of(info))
         self.metrics.models_loaded.set(len(self.models))
         log.info("loaded %s (%s %s, %s) in %.2f s; %s", name, info.backend, info.format,
                  info.device or "?", seconds, "runs one request at a time" if slots == 1
                  else f"runs up to {slots} requests at once")
         return m
-
-    def _wanted(self, name: str, kind: Kind, handle: Any) -> Batch:
-        """Requests ``handle`` would run at once: ``--parallel`` (by default
-        :data:`DEFAULT_PARALLEL_CPU` on the CPU, the engine's capacity elsewhere), at
-        most what its engine batches; 1 for an engine that runs one sequence at a time,
-        and for embedders. The model is told first (``Model.limit_concurrency``), so
-        that its batcher holds no more slots than that. One that would hold memory per
-        slot from the start (llama.cpp's batch context) is not built here: its slots
-        and their bytes are known without it (``Model.batch_slots``), and
-        :meth:`_settle` builds it once memory has had its say. Any other is built to
-        learn its capacity (that holds nothing up front); ``--parallel 1`` builds none."""
-        parallel, kept = self.config.parallel, kept_bytes(handle, kind)
-        if kind != "chat" or parallel == 1:
-            return Batch(1, kept=kept)
-        if parallel is None and (handle.info.device or "cpu").lower() == "cpu":
-            parallel = DEFAULT_PARALLEL_CPU
-        try:
-            if parallel is not None:
-                handle.limit_concurrency(parallel)
-            plan: tuple[int, int] | None = handle.batch_slots
-            if plan is not None:
-                capacity, per_slot = plan
-                return Batch(max(1, min(capacity, parallel or capacity)), per_slot,
-                              kept=kept)
-            capacity = max(1, int(handle.max_concurrency))
-            want = min(parallel, capacity) if parallel is not None else capacity
-            return Batch(want, reserved=handle.batch_reserved_bytes if want > 1 else 0,
-                          kept=kept)
-        except LocalrunError as e:  # the batcher could not be built: one at a time
-            log.warning("%s runs one request at a time: %s", name, e)
-            return Batch(1, kept=kept)
-
-    def _settle(self, name: str, handle: Any, batch: Batch, slots: int
-                ) -> tuple[int, int | None]:
-        """Build the batcher of a model that runs ``slots`` of ``batch.want`` at once,
-        where :meth:`_wanted` left it unbuilt, with those slots (none for 1); the slots
-        it runs and what its batcher holds (:func:`footprint`)."""
-        if not batch.per_slot:
-            return slots, batch.reserved_at(slots)
-        try:
-            handle.limit_concurrency(slots)  # the batch context's KV streams; 1: none
-            if slots > 1:  # built now: memory may hold fewer than when it was planned
-                slots = min(slots, max(1, int(handle.max_concurrency)))
-            reserved: int | None = handle.batch_reserved_bytes if slots > 1 else 0
-        except LocalrunError as e:
-            log.warning("%s runs one request at a time: %s", name, e)
-            return 1, 0
-        return slots, reserved
 
     async def _room_for_slots(self, name: str, base: int, kv: int, batch: Batch) -> int:
         """Room for a model just loaded (``base`` bytes for one sequence) to run
@@ -530,24 +476,38 @@ class ModelManager:
         idle = [m for m in self.models.values() if m.active == 0 and not m.pinned]
         return min(idle, key=lambda m: m.last_used) if idle else None
 
-    async def unload(self, name: str, kind: Kind = "chat") -> bool:
-        """Unload the idle copies of ``name``, under any spelling (Ollama's keep_alive 0).
-        A model named on the command line stays loaded: it answers normally."""
-        files = {known.id} if (known := self._names.get(kind, name)) else set()
+    async def unload(self, name: str, kind: Kind = "chat", why: str = "keep_alive 0"
+                     ) -> Unloading:
+        """Unload the copies of the model ``name`` runs (a preset's: its model's), under
+        any spelling and at any context (Ollama's keep_alive 0): idle ones now, busy ones
+        when their last request ends; a model named on the command line stays."""
+        try:
+            asked = self.ask(name)
+        except APIError:  # a preset that cannot load: nothing of it is loaded either
+            asked = Asked(name, name, None, self.config)
+        known = self._names.get(kind, asked.model, asked.backend)
+        files = {known.id} if known is not None else set()
         if not files:
             with contextlib.suppress(LocalrunError, APIError):
-                got = await asyncio.to_thread(identify, name, kind, self.config)
+                got = await asyncio.to_thread(identify, asked.model, kind, asked.config)
                 files |= {got[0].id} if got is not None else set()
-        done = False
-        for m in [m for m in self.models.values()
-                  if m.kind == kind and (m.file in files or m.name == name)]:
+        out = Unloading([], [], [])
+        for m in [m for m in self.models.values() if m.kind == kind and (
+                m.file in files or m.name in (name, asked.model) or name in m.presets)]:
             if m.pinned:
-                log.info("keep_alive 0 for %s: it stays loaded (named on the command line)",
-                         name)
+                log.info("%s for %s: it stays loaded (named on the command line)", why, name)
+                out.pinned.append(m)
             elif m.active == 0:
-                await self._unload(m, "keep_alive 0")
-                done = True
-        return done
+                await self._unload(m, why)
+                out.unloaded.append(m)
+            else:  # its requests finish first (Ollama's way)
+                m.closing = True
+                out.closing.append(m)
+        return out
+
+    async def unload_copy(self, m: Loaded, why: str) -> None:
+        """Unload the copy ``m`` (idle: the caller checked), whatever its names."""
+        await self._unload(m, why)
 
     async def _unload(self, m: Loaded, why: str) -> None:
         if self.models.get(m.key) is not m:
@@ -578,6 +538,17 @@ class ModelManager:
             if (m.active == 0 and not m.pinned and m.expires_at is not None
                     and m.expires_at <= now):
                 await self._unload(m, "keep-alive expired")
+
+
+def _shown(asked: Asked) -> str:
+    """What a copy loaded for ``asked`` is called (/api/ps, logs, metrics): its model as
+    named, or for a preset whose model is a path, the preset (answers name paths only
+    to clients with the key)."""
+    from localrun.server.policy import looks_like_path
+
+    if asked.preset is not None and looks_like_path(asked.model):
+        return asked.preset.name
+    return asked.model
 
 
 # -- what loads models -------------------------------------------------------------------

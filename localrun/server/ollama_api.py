@@ -1,5 +1,6 @@
 """The Ollama API's routes, for tools built on it: /api/chat, /api/generate, /api/embed,
-/api/embeddings, /api/tags, /api/show, /api/ps, /api/version, /api/pull. Their shapes,
+/api/embeddings, /api/tags, /api/show, /api/ps, /api/version, /api/pull (and the
+management routes in :mod:`localrun.server.manage_api`). Their shapes,
 name mapping (``num_predict`` → max_tokens, ``num_ctx`` → the context a model is loaded
 with, a model asked for with another ``num_ctx`` loading again at that size, ...) and the
 NDJSON stream are in :mod:`localrun.server.protocol.ollama`.
@@ -19,12 +20,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from localrun import __version__
 from localrun.server.catalog import (
-    details,
-    disk_models,
     ollama_ps,
-    ollama_tags,
+    on_disk,
+    preset_show,
     rfc3339,
+    show_body,
     shows_paths,
+    tags_list,
 )
 from localrun.server.errors import APIError, bad_request, unsupported
 from localrun.server.jobs import Job
@@ -46,6 +48,8 @@ NDJSON = "application/x-ndjson"
     stream=ol.Answer, stream_type=NDJSON, summary="Chat"))
 async def chat(request: Request) -> Any:
     req = await parse(request, ol.ChatRequest)
+    if not req.messages:  # Ollama's way to load (or, with keep_alive 0, unload) a model
+        return await _hold(request, req.model, chat=True, **req.held())
     gen = req.generation()
     return await respond(request, "api_chat", gen, lambda job: ol.NDJSON(job, req.model, True),
                          lambda job, c: ol.NDJSON(job, req.model, True).whole(c),
@@ -56,23 +60,39 @@ async def chat(request: Request) -> Any:
     "POST", "/api/generate", "Ollama", request=ol.GenerateRequest, response=ol.Answer,
     stream=ol.Answer, stream_type=NDJSON, summary="Generate"))
 async def generate(request: Request) -> Any:
-    st = state_of(request)
     req = await parse(request, ol.GenerateRequest)
     gen = req.generation()
     model = req.model
     if not req.prompt:  # Ollama's way to load (or, with keep_alive 0, unload) a model
-        if gen.keep_alive == 0:
-            await st.manager.unload(model)
-            return JSONResponse({"model": model, "created_at": rfc3339(), "response": "",
-                                 "done": True, "done_reason": "unload"})
-        lease = await st.acquire(model, context=gen.context, keep_alive=gen.keep_alive)
-        lease.release()
-        return JSONResponse({"model": model, "created_at": rfc3339(), "response": "",
-                             "done": True, "done_reason": "load"})
+        return await _hold(request, model, chat=False, context=gen.context,
+                           keep_alive=gen.keep_alive)
     return await respond(request, "api_generate", gen,
                          lambda job: ol.NDJSON(job, model, False),
                          lambda job, c: ol.NDJSON(job, model, False).whole(c),
                          media_type=NDJSON)
+
+
+async def _hold(request: Request, model: str, *, chat: bool, context: int | None,
+                keep_alive: Any) -> Any:
+    """A request with nothing to generate: load ``model`` (a preset's name: its model)
+    and keep it ``keep_alive``, or with ``keep_alive`` 0 unload it. ``done_reason`` says
+    "load", or "unload" where something was unloaded (or goes once its requests end);
+    a model the server keeps (named on its command line), or one not loaded, gets
+    neither."""
+    st = state_of(request)
+    answer: dict[str, Any] = {"model": model, "created_at": rfc3339()}
+    answer.update({"message": {"role": "assistant", "content": ""}} if chat
+                  else {"response": ""})
+    answer["done"] = True
+    if keep_alive == 0:
+        await st.admit(model, loads=False)  # a path: only where paths are allowed
+        if await st.manager.unload(model):
+            answer["done_reason"] = "unload"
+        return JSONResponse(answer)
+    lease = await st.acquire(model, context=context, keep_alive=keep_alive)
+    lease.release()
+    answer["done_reason"] = "load"
+    return JSONResponse(answer)
 
 
 # -- /api/embed, /api/embeddings --------------------------------------------------------
@@ -114,9 +134,7 @@ async def embeddings_legacy(request: Request) -> Any:
 
 @router.get("/api/tags", **operation("GET", "/api/tags", "Ollama", summary="Models on disk"))
 async def tags(request: Request) -> Any:
-    st = state_of(request)
-    disk = await asyncio.to_thread(disk_models)
-    return JSONResponse({"models": ollama_tags(st, disk)})
+    return JSONResponse({"models": await tags_list(state_of(request))})
 
 
 @router.get("/api/ps", **operation("GET", "/api/ps", "Ollama", summary="Models loaded"))
@@ -135,12 +153,15 @@ async def show(request: Request) -> Any:
     st = state_of(request)
     model = (await parse(request, ol.ShowRequest)).model
     paths = shows_paths(st)
+    preset = st.manager.presets.get(model)
+    if preset is not None:
+        return JSONResponse(await asyncio.to_thread(preset_show, st, preset))
     for m in st.manager.models.values():
         if m.name == model:
             i = m.info
-            return JSONResponse(_show(i.format, i.architecture, i.quantization,
-                                      i.context_length, m.kind == "embed",
-                                      i.path if paths else None))
+            return JSONResponse(show_body(i.format, i.architecture, i.quantization,
+                                          i.context_length, m.kind == "embed",
+                                          i.path if paths else None))
     not_found = APIError(404, f"model '{model}' not found (neither loaded nor on disk; "
                          f"POST /api/pull to download it)", param="model",
                          code="model_not_found")
@@ -149,46 +170,11 @@ async def show(request: Request) -> Any:
     except APIError as e:
         # a relative path shaped like a name: answered as one that is not there
         raise not_found if e.code == "pull_not_allowed" else e from None
-    found = await asyncio.to_thread(_detect, model)
+    found = await asyncio.to_thread(on_disk, model)
     if found is None:
         raise not_found
     fmt, arch, quant, ctx, embeds, path = found
-    return JSONResponse(_show(fmt, arch, quant, ctx, embeds, path if paths else None))
-
-
-def _detect(model: str) -> tuple[str, str | None, str | None, int | None, bool, str] | None:
-    from localrun.errors import LocalrunError
-    from localrun.resolve import resolve_local
-    from localrun.server.embeddings import embedding_only
-
-    try:
-        target = resolve_local(model)
-    except LocalrunError:
-        for m in disk_models():
-            if model in (m.name, *m.pulled_as):
-                try:
-                    target = resolve_local(m.path)
-                except LocalrunError:
-                    return None
-                break
-        else:
-            return None
-    from localrun.formats.detect import detect
-
-    d = detect(target.path)
-    return (d.format, d.architecture, d.quantization, d.context_length,
-            embedding_only(target.path, target.format), target.path)
-
-
-def _show(fmt: str, arch: str | None, quant: str | None, ctx: int | None, embeds: bool,
-          path: str | None) -> dict[str, Any]:
-    info: dict[str, Any] = {"general.architecture": arch or ""}
-    if arch and ctx:
-        info[f"{arch}.context_length"] = ctx
-    caps = ["embedding"] if embeds else ["completion", "tools"]
-    return {"modelfile": "", "parameters": "", "template": "", "license": "",
-            "details": details(fmt, arch, quant), "model_info": info, "capabilities": caps,
-            "modified_at": rfc3339(), "localrun": {"path": path} if path else {}}
+    return JSONResponse(show_body(fmt, arch, quant, ctx, embeds, path if paths else None))
 
 
 # -- /api/pull --------------------------------------------------------------------------

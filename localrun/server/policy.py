@@ -8,7 +8,12 @@ answers that page can read. So the server answers only to the host names it list
 (:func:`origin_allowed`), reads only JSON bodies (:func:`is_json`), and API requests load
 only models already on disk (:func:`check_model`): downloading (``--allow-pull``) and
 files or folders named by path (``--allow-local-paths``) are allowed by flags, or when an
-API key guards the server. Models named on the command line are always served.
+API key guards the server. Models named on the command line are always served. A
+preset's name is the user's own: it loads its model as a name on disk does (a path it
+names included), and downloads only where downloads are allowed. Deleting a model's
+files over the API (``/api/delete``) takes ``--allow-delete`` or an API key
+(:func:`check_delete`); presets are localrun's own small files, which any client the
+server answers may make and remove.
 """
 
 from __future__ import annotations
@@ -19,11 +24,15 @@ import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from localrun.errors import LocalrunError
 from localrun.server.config import ServerConfig, is_loopback
 from localrun.server.errors import APIError
+
+if TYPE_CHECKING:
+    from localrun.presets import Preset
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -183,8 +192,9 @@ def body_is_json(content_type: str | None, *, user_agent: str | None,
 
 
 def needs_json(method: str, path: str) -> bool:
-    """The routes that read a JSON body: every POST under /v1 and /api."""
-    return method == "POST" and path.startswith(("/v1/", "/api/"))
+    """The routes that read a JSON body: every POST (and DELETE: Ollama's /api/delete)
+    under /v1, /api and /models (llama-server's load and unload)."""
+    return method in ("POST", "DELETE") and path.startswith(("/v1/", "/api/", "/models/"))
 
 
 def not_json(content_type: str | None) -> APIError:
@@ -235,6 +245,12 @@ def check_model(config: ServerConfig, name: str, *, loads: bool = True) -> None:
     s = name.strip()
     if not s or name in config.models:
         return
+    preset = _preset(s)
+    if preset is not None:  # the user's own name: its model loads as a name on disk does
+        if loads and not config.pull_allowed and not looks_like_path(preset.model) \
+                and would_download(preset.model):
+            raise pull_refused(name, preset.model)
+        return
     if looks_like_path(s):
         if not config.local_paths_allowed:
             raise local_path_refused(name)
@@ -249,6 +265,13 @@ def check_model(config: ServerConfig, name: str, *, loads: bool = True) -> None:
         raise local_path_refused(name) if config.pull_allowed else pull_refused(name)
     if loads and not config.pull_allowed and would_download(s):
         raise pull_refused(name)
+
+
+def _preset(name: str) -> Preset | None:
+    """The preset ``name`` names (a damaged presets file: PresetError, a 400)."""
+    from localrun.presets import lookup
+
+    return lookup(name)
 
 
 def would_download(name: str) -> bool:
@@ -296,12 +319,31 @@ def local_path_refused(name: str) -> APIError:
         param="model", code="local_paths_not_allowed")
 
 
-def pull_refused(name: str) -> APIError:
+def pull_refused(name: str, model: str | None = None) -> APIError:
+    """403 for a name that would download (``model``: what the preset ``name`` runs)."""
+    what = (f"Model '{_shown(name)}' is not downloaded" if model is None else
+            f"Preset '{_shown(name)}' runs {_shown(model)}, which is not downloaded")
     return APIError(
-        403, f"Model '{_shown(name)}' is not downloaded, and this server does not download "
-        f"models for API requests. Run `localrun pull {_shown(name)}` on the server, or "
-        "start it with --allow-pull (or with an API key)", type="permission_error",
-        param="model", code="pull_not_allowed")
+        403, f"{what}, and this server does not download models for API requests. Run "
+        f"`localrun pull {_shown(model or name)}` on the server, or start it with "
+        "--allow-pull (or with an API key)", type="permission_error", param="model",
+        code="pull_not_allowed")
+
+
+def check_delete(config: ServerConfig, name: str) -> None:
+    """/api/delete of a model's files: refused (403) unless the server allows deletes
+    (``--allow-delete``, or an API key); a path never (localrun deletes only what it
+    pulled, as ``localrun rm`` does)."""
+    if not config.delete_allowed:
+        raise APIError(
+            403, f"Deleting '{_shown(name)}' would delete model files, and this server does "
+            "not delete models for API requests. Run `localrun rm NAME` on the server, or "
+            "start it with --allow-delete (or with an API key)", type="permission_error",
+            param="model", code="delete_not_allowed")
+    if looks_like_path(name):
+        raise APIError(400, f"'{_shown(name)}' names a file or folder: localrun deletes only "
+                       "what it pulled (delete your own files yourself)", param="model",
+                       code="not_pulled")
 
 
 def _shown(text: str, limit: int = 300) -> str:

@@ -34,7 +34,11 @@ class ServerState:
         the command line, or one the policy allows (see :meth:`acquire`)."""
         c = self.config
         if (c.pull_allowed and c.local_paths_allowed) or not isinstance(name, str) \
-                or not name or any(m.name == name for m in self.manager.models.values()):
+                or not name:
+            return
+        preset = self.manager.presets.get(name)  # a preset: its model loaded is enough
+        model = preset.model if preset is not None else name
+        if any(m.name == model for m in self.manager.models.values()):
             return
         from localrun.server.policy import check_model
 

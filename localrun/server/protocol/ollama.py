@@ -134,12 +134,15 @@ class Generating(Shape):
 
 
 class ChatRequest(Generating):
-    """``POST /api/chat``."""
+    """``POST /api/chat`` (no messages, or none at all, loads the model, or unloads it
+    with ``keep_alive`` 0, as ``/api/generate`` with no prompt does)."""
 
-    messages: list[OllamaMessage] = Field(min_length=1)
+    messages: list[OllamaMessage] | None = None
     tools: list[ToolParam] | None = None
 
     def generation(self) -> Generation:
+        if not self.messages:
+            raise bad_request("Missing required parameter 'messages'", "messages")
         sampling, fill = (self.options or Options()).sampling()
         structured: dict[str, Any] = {}
         fmt = self.response_format()
