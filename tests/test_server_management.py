@@ -354,6 +354,74 @@ def test_ollamas_load_and_unload_for_a_preset(home: Path) -> None:
         assert len(loads) == 3
 
 
+class _Fake:
+    """What the manager reads of a loaded chat model, without an engine."""
+
+    kept_cache_bytes = 0
+    max_concurrency = 1
+    batch_slots = None
+    batch_reserved_bytes = 0
+
+    def __init__(self, path: str, context: int) -> None:
+        from localrun.types import ModelInfo
+
+        self.info = ModelInfo(backend="llama.cpp", engine_version="test", format="gguf",
+                              quantization="Q4_1", path=path, context_length=context,
+                              trained_context_length=8192, device="cpu")
+        self.closed = False
+
+    def limit_concurrency(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_an_unload_while_requests_run_takes_effect_when_they_end(home: Path) -> None:
+    """Ollama's way: a model asked to unload while it answers goes when its last
+    request ends ("unloading"), unless a request asks for it again first."""
+    import asyncio
+
+    from localrun.formats.detect import detect
+    from tests.models import test_model
+
+    path = str(test_model("gguf-q4_1"))
+    loads: list[str] = []
+
+    def load(name: str, config: Any, context: int | None) -> _Fake:
+        loads.append(name)
+        return _Fake(detect(name).path, context or config.context)
+
+    config = ServerConfig(backend="llama.cpp", parallel=1, context=512,
+                          allow_local_paths=True)
+
+    async def run() -> None:
+        mgr = ModelManager(config, Metrics(), loader=load, available_memory=lambda: 2**40)
+        await mgr.start()
+        try:
+            lease = await mgr.acquire(path)
+            out = await mgr.unload(path)
+            assert out and out.closing == [lease.loaded] and not out.unloaded
+            assert len(mgr.models) == 1  # still answering
+            lease.release()
+            await asyncio.sleep(0.2)
+            assert mgr.models == {} and lease.loaded.handle.closed
+            lease = await mgr.acquire(path)
+            await mgr.unload(path)
+            again = asyncio.ensure_future(mgr.acquire(path))  # waits for the slot
+            await asyncio.sleep(0.05)
+            lease.release()
+            (await again).release()
+            await asyncio.sleep(0.2)
+            assert len(mgr.models) == 1 and len(loads) == 2  # asked again: it stays
+            out = await mgr.unload(path)
+            assert out.unloaded and out.freed > 0 and mgr.models == {}
+        finally:
+            await mgr.stop()
+
+    asyncio.run(run())
+
+
 # -- /api/delete of a pulled model: localrun rm's rules ----------------------------------------
 
 @pytest.fixture

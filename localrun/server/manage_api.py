@@ -34,6 +34,7 @@ from localrun.errors import LocalrunError
 from localrun.server.catalog import FOREVER, on_disk, rfc3339, shows_paths
 from localrun.server.copies import file_id
 from localrun.server.errors import APIError, bad_request, unsupported
+from localrun.server.ollama_api import NDJSON  # (imported first: its routes list first)
 from localrun.server.policy import check_delete, check_model
 from localrun.server.protocol import manage as mg
 from localrun.server.protocol.common import parse
@@ -42,7 +43,6 @@ from localrun.server.protocol.spec import operation
 from localrun.server.state import ServerState, state_of
 
 router = APIRouter()
-NDJSON = "application/x-ndjson"
 
 
 # -- /api/create, /api/copy -----------------------------------------------------------------
@@ -273,7 +273,8 @@ def _load_routes(path: str) -> None:
         return JSONResponse(mg.Loading(
             success=True, model=req.model, status="loaded",
             context_length=m.info.context_length, pinned=m.pinned,
-            expires_at=FOREVER if expires is None else rfc3339(expires)).model_dump())
+            expires_at=FOREVER if expires is None else rfc3339(expires)
+        ).model_dump(exclude_none=True))
 
 
 def _unload_routes(path: str) -> None:

@@ -57,7 +57,7 @@ class Parameters(Shape):
     def refuse(self) -> None:
         super().refuse()
         seen: dict[str, str] = {}
-        for name in self.model_fields_set:
+        for name in type(self).model_fields:
             if getattr(self, name) is None:
                 continue
             target = PARAMETERS[name]
@@ -69,7 +69,7 @@ class Parameters(Shape):
     def values(self) -> dict[str, Any]:
         """Each value set, under the preset's names (``stop``: a list)."""
         out: dict[str, Any] = {}
-        for name in self.model_fields_set:
+        for name in type(self).model_fields:  # declared order: the same every run
             value = getattr(self, name)
             if value is None:
                 continue
