@@ -327,7 +327,8 @@ def banner(config: Any, loaded: list[Any]) -> str:
 
     lines.append("  API requests may download models: "
                  f"{allowed('--allow-pull', config.pull_allowed)} · load local paths: "
-                 f"{allowed('--allow-local-paths', config.local_paths_allowed)}")
+                 f"{allowed('--allow-local-paths', config.local_paths_allowed)} · delete "
+                 f"model files: {allowed('--allow-delete', config.delete_allowed)}")
     name = (min(loaded[0].presets) if loaded[0].presets else loaded[0].name) if loaded \
         else "smollm2:135m"
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}]})
