@@ -478,6 +478,21 @@ def test_delete_of_a_pulled_model_follows_rms_rules(fake: Any) -> None:
         assert got == 409 and _tree(base_dir) == base_before, raw
 
 
+def test_pull_of_a_preset_pulls_its_model(fake: Any) -> None:
+    from localrun import hub
+
+    presets.save(presets.make("remote", "qwen2.5:0.5b"))
+    with serve(ServerConfig()) as s:
+        got, _, raw = request("POST", s.url + "/api/pull", {"model": "remote",
+                                                             "stream": False})
+        assert got == 403 and "localrun pull qwen2.5:0.5b" in json.loads(raw)["error"], raw
+    with serve(ServerConfig(allow_pull=True)) as s:
+        got, _, raw = request("POST", s.url + "/api/pull", {"model": "remote",
+                                                             "stream": False})
+        assert got == 200 and json.loads(raw) == {"status": "success"}, raw
+    assert any("qwen2.5:0.5b" in m.pulled_as for m in hub.cached_models())
+
+
 # -- localrun serve PRESET, found through LOCALRUN_HOST ----------------------------------------
 
 def _free_port() -> int:

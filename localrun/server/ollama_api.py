@@ -188,6 +188,9 @@ async def pull(request: Request) -> Any:
     if not model:
         raise bad_request("Missing required parameter 'model'", "model")
     stream = req.stream is not False
+    preset = st.manager.presets.get(model)
+    if preset is not None:  # a preset's name pulls the model it runs
+        model = preset.model
     await asyncio.to_thread(check_pull, st.config, model)  # 403 unless downloads are allowed
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
