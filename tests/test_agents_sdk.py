@@ -47,19 +47,15 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["LOCALRUN_HOME"] = old
 
 
-def test_an_agent_with_a_function_tool_runs_to_its_final_output(srv: Running) -> None:
+def _agent(url: str, called: list[str]) -> Any:
+    """The agent, its client set as the SDK's default (tracing off)."""
     from agents import (
         Agent,
         ModelSettings,
-        Runner,
         function_tool,
         set_default_openai_client,
         set_tracing_disabled,
     )
-    from agents.items import ToolCallItem, ToolCallOutputItem
-    from agents.models.openai_responses import OpenAIResponsesModel
-
-    called: list[str] = []
 
     @function_tool
     def get_weather(city: str) -> str:
@@ -68,13 +64,22 @@ def test_an_agent_with_a_function_tool_runs_to_its_final_output(srv: Running) ->
         return f"18 C and sunny in {city}"
 
     set_tracing_disabled(True)
-    set_default_openai_client(openai.AsyncOpenAI(base_url=srv.v1, api_key="unused",
+    set_default_openai_client(openai.AsyncOpenAI(base_url=url, api_key="unused",
                                                  max_retries=0, timeout=120),
                               use_for_tracing=False)
-    agent = Agent(name="weather", model=MODEL, tools=[get_weather],
-                  instructions="You answer questions about the weather. Use the tool.",
-                  model_settings=ModelSettings(temperature=0, max_tokens=40,
-                                               tool_choice="required"))
+    return Agent(name="weather", model=MODEL, tools=[get_weather],
+                 instructions="You answer questions about the weather. Use the tool.",
+                 model_settings=ModelSettings(temperature=0, max_tokens=40,
+                                              tool_choice="required"))
+
+
+def test_an_agent_with_a_function_tool_runs_to_its_final_output(srv: Running) -> None:
+    from agents import Runner
+    from agents.items import ToolCallItem, ToolCallOutputItem
+    from agents.models.openai_responses import OpenAIResponsesModel
+
+    called: list[str] = []
+    agent = _agent(srv.v1, called)
 
     async def run() -> Any:
         return await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
@@ -91,3 +96,23 @@ def test_an_agent_with_a_function_tool_runs_to_its_final_output(srv: Running) ->
     first, last = result.raw_responses
     assert first.usage.input_tokens > 0 and last.usage.input_tokens > first.usage.input_tokens
     assert [o.type for o in last.output] == ["message"]
+
+
+def test_the_same_run_streamed(srv: Running) -> None:
+    """``Runner.run_streamed``: the SDK reads the typed event stream (it checks each
+    item's identity from added to done to completed) and ends with the same answer."""
+    from agents import Runner
+
+    called: list[str] = []
+    agent = _agent(srv.v1, called)
+
+    async def run() -> tuple[Any, list[str], Any]:  # one loop: the client's pool is its
+        result = Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4)
+        kinds = [e.type async for e in result.stream_events()]
+        whole = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+        return result, kinds, whole
+
+    result, kinds, whole = asyncio.run(run())
+    assert called == ["Paris", "Paris"] and "raw_response_event" in kinds
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+    assert result.final_output == whole.final_output

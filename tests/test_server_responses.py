@@ -148,9 +148,9 @@ def test_parse_with_a_pydantic_model(client: Any) -> None:
 def test_a_function_call_round_trip(client: Any, server_model: Any) -> None:
     ask = "What is the weather in Paris?"
     r = client.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice="required",
-                                temperature=0, max_output_tokens=60)
+                                parallel_tool_calls=False, temperature=0, max_output_tokens=60)
     calls = [i for i in r.output if i.type == "function_call"]
-    assert r.status == "completed" and calls, r.output
+    assert r.status == "completed" and len(calls) == 1, r.output
     call = calls[0]
     assert call.name == "get_weather" and call.call_id and call.id.startswith("fc_")
     assert set(json.loads(call.arguments)) == {"city"} and call.status == "completed"
@@ -481,3 +481,54 @@ def test_a_failure_mid_stream_is_an_error_event_then_failed(server_model: Any) -
             assert status == 504, raw[:300]
         r = _client(s.url).responses.create(model=MODEL, input="Hi", max_output_tokens=2)
         assert r.usage.output_tokens > 0
+
+
+def test_reasoning_effort_bounds_a_thinking_models_thinking() -> None:
+    """A thinking model (SmolLM2 with Qwen3's template opening the thinking, as
+    tests/test_reasoning.py builds it): ``reasoning.effort`` "none" is no thinking at all;
+    unset, it thinks (counted in reasoning_tokens, not returned). A model that does not
+    think ignores the effort (test_what_codex_and_the_agents_sdk_send_is_accepted)."""
+    import localrun
+    from tests.models import test_model
+
+    template = Path(__file__).parent / "chat_templates" / "qwen3-think-prefilled.jinja"
+    with localrun.load(str(test_model("gguf-q4_1")), backend="llama.cpp", context=2048,
+                       threads=1, chat_template=template) as model, \
+            serve(ServerConfig(), preload={"thinker": model}) as s:
+        client = _client(s.url)
+        args: dict[str, Any] = {"model": "thinker", "input": "List the planets.",
+                                "temperature": 0, "max_output_tokens": 12, "store": False}
+        thinks = client.responses.create(**args)
+        details = thinks.usage.output_tokens_details
+        assert details.reasoning_tokens > 0 and "<think>" not in thinks.output_text
+        plain = client.responses.create(**args, reasoning={"effort": "none"})
+        assert plain.usage.output_tokens_details.reasoning_tokens == 0 and plain.output_text
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**args, reasoning={"effort": "extreme"})
+        assert e.value.body["param"] == "reasoning.effort"
+
+
+def test_parallel_tool_calls_reaches_the_library(client: Any) -> None:
+    """true: a required call may be several; false: one at most, enforced by the grammar;
+    left out, the library's default (a required call is one). Streamed, each call is its
+    own output item."""
+    ask = "Weather in Paris, Rome, Oslo and Berlin?"
+    args: dict[str, Any] = {"model": MODEL, "input": ask, "tools": [WEATHER],
+                            "tool_choice": "required", "temperature": 0,
+                            "max_output_tokens": 120, "store": False,
+                            "parallel_tool_calls": True}
+    several = client.responses.create(**args)
+    cities = [json.loads(i.arguments)["city"] for i in several.output]
+    assert len(cities) > 1 and several.parallel_tool_calls is True, several.output
+    one = client.responses.create(**{**args, "parallel_tool_calls": False})
+    assert [i.type for i in one.output] == ["function_call"] and not one.parallel_tool_calls
+    unset = client.responses.create(**{**args, "parallel_tool_calls": None})
+    assert [i.type for i in unset.output] == ["function_call"] and unset.parallel_tool_calls
+    # (the blank text between the calls is no item, as in the whole answer)
+    events = list(client.responses.create(**args, stream=True))
+    final = events[-1].response
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [e.output_index for e in added] == list(range(len(cities)))
+    assert [json.loads(i.arguments)["city"] for i in final.output] == cities
+    assert final.status == several.status
+    assert len({i.call_id for i in final.output}) == len(cities)

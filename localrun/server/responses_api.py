@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -145,7 +145,16 @@ async def create(request: Request) -> Any:
             await _call(store.put, response.id, owner, ro.dumped(response), input_items=items,
                         conversation=[*turns, ro.assistant_turn(c)], model=req.model)
 
-    job, first = await Job.generate(request, "responses", gen.model, gen.call,
+    effort = req.effort
+
+    def call(handle: Any, token: Any) -> Any:
+        # reasoning.effort, for a model that thinks (one that does not ignores it)
+        run = gen
+        if effort is not None and getattr(handle, "reasoning", None) is not None:
+            run = replace(gen, sampling={**gen.sampling, "reasoning_effort": effort})
+        return run.call(handle, token)
+
+    job, first = await Job.generate(request, "responses", gen.model, call,
                                     context=gen.context, keep_alive=gen.keep_alive,
                                     stream=gen.stream)
     if gen.stream:

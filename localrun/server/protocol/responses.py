@@ -17,11 +17,16 @@ come back as ``custom_tool_call`` items whose ``input`` is that string, and a
 enforced (the string's JSON Schema ``pattern``); a ``lark`` grammar is not (the string is
 free; the tool checks its own input, as Codex's apply_patch does).
 
-Accepted with no effect: ``include``, ``reasoning``, ``truncation``, ``text.verbosity``,
-``user``, ``metadata`` (echoed back), ``prompt_cache_key``, ``prompt_cache_retention``,
-``safety_identifier``, ``client_metadata``, ``stream_options``, ``service_tier`` auto or
-default. Refused with a 400 that says why: built-in tools (web search, file search,
-computer use, code interpreter, image generation, MCP, shells), images and files,
+``reasoning.effort`` bounds a thinking model's thinking (a model that does not think
+ignores it); the thinking itself is not returned (no reasoning items; its tokens are
+``usage.output_tokens_details.reasoning_tokens``).
+
+Accepted with no effect: ``include``, ``reasoning.summary``, ``truncation``,
+``text.verbosity``, ``user``, ``metadata`` (echoed back), ``prompt_cache_key``,
+``prompt_cache_retention``, ``safety_identifier``, ``client_metadata``,
+``stream_options``, ``service_tier`` auto or default. Refused with a 400 that says why:
+built-in tools (web search, file search, computer use, code interpreter, image
+generation, MCP, shells), images and files,
 ``background``, ``conversation``, ``prompt``, ``max_tool_calls``, log probabilities,
 item references.
 """
@@ -397,13 +402,26 @@ class TextConfig(Shape):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ReasoningParam(Shape):
-    """Accepted with no effect: a thinking model thinks as its chat template does by
-    default, and its thinking is not returned as a reasoning item."""
+#: OpenAI's reasoning efforts → the library's (``xhigh`` is its most: "high", no budget)
+EFFORTS = {"none": "none", "minimal": "minimal", "low": "low", "medium": "medium",
+           "high": "high", "xhigh": "high"}
 
-    effort: str | None = None
+
+class ReasoningParam(Shape):
+    """``effort`` bounds a thinking model's thinking (the library's ``reasoning_effort``);
+    a model that does not think ignores it, as OpenAI's non-reasoning models do.
+    ``summary`` changes nothing: the thinking is not returned as a reasoning item."""
+
+    effort: str | None = Field(default=None, json_schema_extra=takes_only(
+        {"anyOf": [{"enum": list(EFFORTS)}, {"type": "null"}]}))
     summary: str | None = None
     generate_summary: str | None = None
+
+    def refuse(self) -> None:
+        super().refuse()
+        if self.effort is not None and self.effort not in EFFORTS:
+            raise invalid(f"{self.effort!r} is not an effort: send one of "
+                          f"{', '.join(EFFORTS)}", "effort")
 
 
 class StreamOptions(Shape):
@@ -495,7 +513,7 @@ class ResponsesRequest(Shape):
                  if isinstance(t, (FunctionTool, CustomTool))]  # others are refused
         if tools:
             out["tools"] = tools
-            if self.parallel_tool_calls is not None:
+            if self.parallel_tool_calls is not None:  # else the library's default
                 out["parallel_tool_calls"] = self.parallel_tool_calls
         choice = self.tool_choice
         if isinstance(choice, ToolChoiceParam):
@@ -504,6 +522,11 @@ class ResponsesRequest(Shape):
             # "auto" and "none" need no tools (Codex sends "auto" with none)
             out["tool_choice"] = choice
         return out
+
+    @property
+    def effort(self) -> str | None:
+        """The library's ``reasoning_effort``, for a model that thinks."""
+        return EFFORTS.get(self.reasoning.effort or "") if self.reasoning else None
 
     def generation(self, previous: list[dict[str, Any]] | None = None) -> Generation:
         """The library's request: ``instructions`` (never carried over from a previous

@@ -294,16 +294,21 @@ def dumped(r: BaseModel) -> dict[str, Any]:
 class ResponsesSSE(BlockWire):
     """The Responses stream (see the module's docstring). ``done()`` writes everything
     but the last event: the route stores the response (:attr:`final`) first, then sends
-    :meth:`finish` — so a client that reads ``response.completed`` can continue from it."""
+    :meth:`finish` — so a client that reads ``response.completed`` can continue from it.
+
+    Blank text around tool calls (the newlines between them) is no output item, as it is
+    none in the whole answer (the library strips it): a text block is announced at its
+    first non-blank piece, so output indexes count the items sent, not the blocks."""
 
     def __init__(self, fields: dict[str, Any], custom: frozenset[str]) -> None:
         super().__init__()
         self.fields = fields
         self.custom = custom
         self.seq = 0
-        self.ids: dict[int, str] = {}
-        self.parts: dict[int, list[str]] = {}
-        self.items: dict[int, OutputItem] = {}
+        self.slot: dict[int, int] = {}  # block → output index, once announced
+        self.ids: dict[int, str] = {}  # output index → item id
+        self.parts: dict[int, list[str]] = {}  # block → its text (or arguments) so far
+        self.items: dict[int, OutputItem] = {}  # output index → item
         self.completion: Completion | None = None
         self.final: Response | None = None
 
@@ -313,80 +318,108 @@ class ResponsesSSE(BlockWire):
         return sse(event.model_dump_json(exclude_unset=True), kind)
 
     def _response(self, status: Status, **fields: Any) -> Response:
-        output = [self._so_far(i) for i in sorted(self.items)]
+        output = [self._so_far(o) for o in sorted(self.items)]
         return Response(**{**self.fields, "status": status, "output": output, "usage": None,
                            **fields})
 
-    def _so_far(self, i: int) -> OutputItem:
-        """Item ``i`` as it stands: one cut short by a failure is "incomplete"."""
-        item = self.items[i]
+    def _so_far(self, o: int) -> OutputItem:
+        """Item ``o`` as it stands: one cut short by a failure is "incomplete"."""
+        item = self.items[o]
         if item.status != "in_progress":
             return item
+        block = next(b for b, out in self.slot.items() if out == o)
+        so_far = "".join(self.parts[block])
         if isinstance(item, OutputMessage):
-            return _text_item(item.id, "".join(self.parts[i]), "incomplete")
-        return _call_item(item.id, item.call_id, item.name, "".join(self.parts[i]),
-                          "incomplete", self.custom)
+            return _text_item(item.id, so_far, "incomplete")
+        return _call_item(item.id, item.call_id, item.name, so_far, "incomplete", self.custom)
 
     def begin(self) -> Iterable[bytes]:
         yield self._send("response.created", response=self._response("in_progress"))
         yield self._send("response.in_progress", response=self._response("in_progress"))
 
     def event(self, event: BlockEvent) -> Iterable[bytes]:
-        i = event.index
         if event.block == "text":
-            yield from self._text(event, i)
+            yield from self._text(event, event.index)
         else:
-            yield from self._call(event, i)
+            yield from self._call(event, event.index)
 
-    def _text(self, event: BlockEvent, i: int) -> Iterable[bytes]:
-        if event.kind == "start":
-            iid = self.ids[i] = new_item_id("message")
-            self.parts[i] = []
-            item = self.items[i] = _text_item(iid, "", "in_progress")
-            yield self._send("response.output_item.added", output_index=i, item=item)
-            yield self._send("response.content_part.added", item_id=iid, output_index=i,
-                             content_index=0, part=OutputText(type="output_text", text="",
-                                                              annotations=[], logprobs=[]))
-        elif event.kind == "delta":
-            self.parts[i].append(event.text)
-            yield self._send("response.output_text.delta", item_id=self.ids[i],
-                             output_index=i, content_index=0, delta=event.text, logprobs=[])
-        else:
-            iid, text = self.ids[i], "".join(self.parts[i])
-            item = self.items[i] = _text_item(iid, text, _item_status(self.completion))
-            yield self._send("response.output_text.done", item_id=iid, output_index=i,
-                             content_index=0, text=text, logprobs=[])
-            yield self._send("response.content_part.done", item_id=iid, output_index=i,
-                             content_index=0, part=item.content[0])
-            yield self._send("response.output_item.done", output_index=i, item=item)
+    def _announce(self, block: int, item: OutputItem) -> int:
+        o = self.slot[block] = len(self.slot)
+        self.ids[o] = item.id
+        self.items[o] = item
+        return o
 
-    def _call(self, event: BlockEvent, i: int) -> Iterable[bytes]:
+    def _text(self, event: BlockEvent, b: int) -> Iterable[bytes]:
         if event.kind == "start":
-            iid = self.ids[i] = new_item_id("function_call")
-            self.parts[i] = []
-            item = self.items[i] = _call_item(iid, event.call_id, event.name, "",
-                                              "in_progress", self.custom)
-            yield self._send("response.output_item.added", output_index=i, item=item)
-        elif event.kind == "delta":
-            self.parts[i].append(event.text)
+            self.parts[b] = []
+            return
+        if event.kind == "delta":
+            self.parts[b].append(event.text)
+            if b in self.slot:
+                o = self.slot[b]
+                yield self._send("response.output_text.delta", item_id=self.ids[o],
+                                 output_index=o, content_index=0, delta=event.text,
+                                 logprobs=[])
+            elif event.text.strip():
+                yield from self._open_text(b)
+            return
+        text = "".join(self.parts[b])
+        if b not in self.slot:
+            # blank: no item where the reply has tool calls (a call follows, or came before)
+            c = self.completion
+            if c is None or c.tool_calls:
+                return
+            yield from self._open_text(b)
+        o = self.slot[b]
+        item = self.items[o] = _text_item(self.ids[o], text, _item_status(self.completion))
+        yield self._send("response.output_text.done", item_id=item.id, output_index=o,
+                         content_index=0, text=text, logprobs=[])
+        yield self._send("response.content_part.done", item_id=item.id, output_index=o,
+                         content_index=0, part=item.content[0])
+        yield self._send("response.output_item.done", output_index=o, item=item)
+
+    def _open_text(self, b: int) -> Iterable[bytes]:
+        """A text item announced, with what its block held so far as one delta."""
+        item = _text_item(new_item_id("message"), "", "in_progress")
+        o = self._announce(b, item)
+        yield self._send("response.output_item.added", output_index=o, item=item)
+        yield self._send("response.content_part.added", item_id=item.id, output_index=o,
+                         content_index=0, part=OutputText(type="output_text", text="",
+                                                          annotations=[], logprobs=[]))
+        text = "".join(self.parts[b])
+        if text:
+            yield self._send("response.output_text.delta", item_id=item.id, output_index=o,
+                             content_index=0, delta=text, logprobs=[])
+
+    def _call(self, event: BlockEvent, b: int) -> Iterable[bytes]:
+        if event.kind == "start":
+            self.parts[b] = []
+            item = _call_item(new_item_id("function_call"), event.call_id, event.name, "",
+                              "in_progress", self.custom)
+            o = self._announce(b, item)
+            yield self._send("response.output_item.added", output_index=o, item=item)
+            return
+        o = self.slot[b]
+        iid = self.ids[o]
+        if event.kind == "delta":
+            self.parts[b].append(event.text)
             # a custom tool's input is the string inside the arguments: sent whole, at the end
-            if not isinstance(self.items.get(i), CustomToolCall):
-                yield self._send("response.function_call_arguments.delta",
-                                 item_id=self.ids[i], output_index=i, delta=event.text)
+            if not isinstance(self.items[o], CustomToolCall):
+                yield self._send("response.function_call_arguments.delta", item_id=iid,
+                                 output_index=o, delta=event.text)
+            return
+        item = self.items[o] = _call_item(iid, event.call_id, event.name, event.text,
+                                          _item_status(self.completion), self.custom)
+        if isinstance(item, CustomToolCall):
+            if item.input:
+                yield self._send("response.custom_tool_call_input.delta", item_id=iid,
+                                 output_index=o, delta=item.input)
+            yield self._send("response.custom_tool_call_input.done", item_id=iid,
+                             output_index=o, input=item.input)
         else:
-            iid = self.ids[i]
-            item = self.items[i] = _call_item(iid, event.call_id, event.name, event.text,
-                                              _item_status(self.completion), self.custom)
-            if isinstance(item, CustomToolCall):
-                if item.input:
-                    yield self._send("response.custom_tool_call_input.delta", item_id=iid,
-                                     output_index=i, delta=item.input)
-                yield self._send("response.custom_tool_call_input.done", item_id=iid,
-                                 output_index=i, input=item.input)
-            else:
-                yield self._send("response.function_call_arguments.done", item_id=iid,
-                                 output_index=i, arguments=event.text, name=event.name)
-            yield self._send("response.output_item.done", output_index=i, item=item)
+            yield self._send("response.function_call_arguments.done", item_id=iid,
+                             output_index=o, arguments=event.text, name=event.name)
+        yield self._send("response.output_item.done", output_index=o, item=item)
 
     def done(self, completion: Completion) -> Iterable[bytes]:
         self.completion = completion  # the last block closes knowing how the reply ended
@@ -394,7 +427,7 @@ class ResponsesSSE(BlockWire):
 
     def end(self, completion: Completion) -> Iterable[bytes]:
         self.final = finished(self.fields, completion,
-                              [self.items[i] for i in sorted(self.items)])
+                              [self.items[o] for o in sorted(self.items)])
         return ()
 
     def finish(self) -> bytes:
