@@ -9,11 +9,12 @@ previous one's KV cache. Printed per dialect: TTFT (median) and what it adds ove
 Completions (median of the back-to-back differences), decode tokens/s (tokens after the
 first / time after the first) and its ratio to Chat Completions (median of the ratios).
 
-Targets (issue 27): a streamed Messages (or Responses) request adds at most 5 ms TTFT and
-3% decode over Chat Completions. On a busy machine the HTTP numbers are noisy, so the
-layer's own work is timed too, in process and without a model (``--layer``): reading
-and checking a request (its shape, then the library's checks) and writing one streamed
-piece in the dialect's events.
+Targets (issue 27): a streamed Messages or Responses request adds at most 5 ms TTFT and
+3% decode over Chat Completions (Responses stores each response, as by default, in a
+temporary LOCALRUN_HOME: the write comes before its last event, after the decode). On a
+busy machine the HTTP numbers are noisy, so the layer's own work is timed too, in process
+and without a model (``--layer``): reading and checking a request (its shape, then the
+library's checks) and writing one streamed piece in the dialect's events.
 
     .venv/bin/python scripts/bench_dialects.py                    # 9 rounds x 48 tokens
     .venv/bin/python scripts/bench_dialects.py --runs 15 --tokens 64 --json out.json
@@ -30,6 +31,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -64,6 +66,17 @@ def _messages(model: str, text: str, n: int) -> dict[str, Any]:
             "temperature": 0, "stream": True}
 
 
+def _responses(model: str, text: str, n: int) -> dict[str, Any]:
+    return {"model": model, "input": text, "max_output_tokens": n, "temperature": 0,
+            "stream": True}  # stored, as by default: the write is timed too
+
+
+def _responses_done(e: dict[str, Any]) -> int | None:
+    if e.get("type") not in ("response.completed", "response.incomplete"):
+        return None
+    return int(e["response"]["usage"]["output_tokens"])
+
+
 def _ollama(model: str, text: str, n: int) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": text}], "stream": True,
             "options": {"num_predict": n, "temperature": 0}}
@@ -77,6 +90,9 @@ DIALECTS = (
             lambda e: e.get("delta", {}).get("text", "") if e.get("type") ==
             "content_block_delta" else "",
             lambda e: e["usage"]["output_tokens"] if e.get("type") == "message_delta" else None),
+    Dialect("responses", "/v1/responses", _responses,
+            lambda e: e.get("delta", "") if e.get("type") == "response.output_text.delta"
+            else "", _responses_done),
     Dialect("ollama.chat", "/api/chat", _ollama,
             lambda e: (e.get("message") or {}).get("content") or "",
             lambda e: e.get("eval_count") if e.get("done") else None),
@@ -118,6 +134,8 @@ def bench(path: str, runs: int, tokens: int, threads: int | None) -> dict[str, A
     from localrun.server.metrics import Metrics
 
     tune_process()
+    # stored responses (/v1/responses) go to a folder of this run's own
+    os.environ["LOCALRUN_HOME"] = tempfile.mkdtemp(prefix="bench-dialects-")
     model = localrun.load(path, backend="llama.cpp", context=1024, threads=threads)
     sock = bind("127.0.0.1", 0)
     config = replace(ServerConfig(max_queue=64), port=sock.getsockname()[1])
@@ -162,6 +180,8 @@ def layer_costs(n: int = 5000) -> dict[str, dict[str, float]]:
     from localrun.server.protocol import anthropic as an
     from localrun.server.protocol import ollama as ol
     from localrun.server.protocol import openai as oa
+    from localrun.server.protocol import responses as rq
+    from localrun.server.protocol import responses_out as ro
     from localrun.types import Chunk
 
     class Job:  # what a Wire reads of its job
@@ -177,13 +197,19 @@ def layer_costs(n: int = 5000) -> dict[str, dict[str, float]]:
     piece = Chunk(" word")
     messages = an.MessagesSSE(Job(), "msg_x", "m")
     list(messages.begin())
+    req = rq.ResponsesRequest.model_validate(_responses("m", "x", 48))
+    responses = ro.ResponsesSSE(ro.head("resp_x", req), frozenset())
+    list(responses.begin())
+    list(responses.chunk(Chunk("First")))  # its text item announced: pieces from here on
     wires: dict[str, Any] = {"chat.completions": oa.ChatSSE("c", "m", True),
-                             "messages": messages,
+                             "messages": messages, "responses": responses,
                              "ollama.chat": ol.NDJSON(Job(), "m", True)}
+    by_name = {d.name: d for d in DIALECTS}
     shapes: dict[str, tuple[Any, Dialect]] = {
-        "chat.completions": (oa.ChatCompletionRequest, DIALECTS[0]),
-        "messages": (an.MessagesRequest, DIALECTS[1]),
-        "ollama.chat": (ol.ChatRequest, DIALECTS[2])}
+        "chat.completions": (oa.ChatCompletionRequest, by_name["chat.completions"]),
+        "messages": (an.MessagesRequest, by_name["messages"]),
+        "responses": (rq.ResponsesRequest, by_name["responses"]),
+        "ollama.chat": (ol.ChatRequest, by_name["ollama.chat"])}
     out = {}
     for name, (shape, d) in shapes.items():
         body = d.body("m", prompt(1), 48)
