@@ -314,19 +314,32 @@ class Model:
 
     def count_prompt_tokens(self, messages: str | Sequence[Message], *,
                             tools: Sequence[Any] | None = None, tool_choice: Any = None,
-                            response_format: Any = None, schema: Any = None) -> int:
-        """Tokens of the prompt :meth:`chat` would send for ``messages`` (the chat
-        template, with its tools and a forced call's prefill), counted without
-        generating."""
+                            response_format: Any = None, schema: Any = None,
+                            parallel_tool_calls: bool | None = None,
+                            think: bool | None = None, reasoning_effort: str | None = None,
+                            thinking_budget: int | None = None) -> int:
+        """Tokens of the prompt :meth:`chat` would send for ``messages`` with the same
+        arguments (the chat template given at load or the model's own, its tools, a
+        forced call's prefill, the thinking switch or empty thinking block), counted
+        without generating (``Completion.usage.prompt_tokens`` of that call)."""
+        from localrun.driver.reasoning import thinking_prompt
         from localrun.driver.sequence import encode_prompt, structured_plan
 
-        structured = prepare(response_format, schema, tools, tool_choice)
+        structured = prepare(response_format, schema, tools, tool_choice,
+                             parallel_tool_calls)
+        reasoning = reasoning_request(think, reasoning_effort, thinking_budget)
         msgs = normalize_messages(messages)
         if self.preset is not None:
             msgs = self.preset.conversation(msgs)
+        chat = self._driver.chat
         with self._driver.exclusive() as session:
-            plan = structured_plan(session, msgs, structured)
-            return len(encode_prompt(session, msgs, None, plan).tokens)
+            plan = structured_plan(session, msgs, structured, chat)
+            if chat.reasoning is not None:
+                return len(thinking_prompt(session, chat, msgs, plan, reasoning)[0].tokens)
+            if reasoning is not None and reasoning.think:
+                raise refuse(reasoning, "this model does not think (its chat template has "
+                             "no thinking block)")
+            return len(encode_prompt(session, msgs, None, plan, None, chat).tokens)
 
     def close(self) -> None:
         """Free the engine's memory. Waits for running calls to finish."""

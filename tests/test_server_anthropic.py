@@ -149,8 +149,8 @@ def test_bad_requests_are_400s_naming_the_field(client: Any) -> None:
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]",
          "server tools"),
         ({"tools": [{**WEATHER, "input_schema": {"type": "strin"}}]}, "tools", "get_weather"),
-        ({"extra_body": {"thinking": {"type": "enabled", "budget_tokens": 1024}}}, "thinking",
-         "not supported yet"),
+        ({"extra_body": {"thinking": {"type": "enabled", "budget_tokens": -1}}},
+         "thinking.budget_tokens", "greater than or equal to 0"),
     ]
     for extra, field, words in cases:
         args: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "messages": Q, **extra}

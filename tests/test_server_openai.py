@@ -158,7 +158,7 @@ def test_models_lists_the_loaded_model(client: Any) -> None:
 
 
 def test_400_names_the_unsupported_field(client: Any) -> None:
-    for extra, field in (({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
+    for extra, field in (({"n": 17}, "n"), ({"top_logprobs": 21}, "top_logprobs"),
                          ({"frequency_penalty": 0.5}, "frequency_penalty")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=Q, max_tokens=2, **extra)

@@ -103,8 +103,9 @@ def test_shapes_name_the_field_in_their_errors() -> None:
     assert e.param == "messages[0].content[1]" and "only text parts" in e.message
     e = _refusal(oa.ChatCompletionRequest, {"model": "m", "messages": Q, "stream": "yes"})
     assert e.param == "stream" and "valid boolean" in e.message  # no "yes" -> True
-    e = _refusal(oa.ChatCompletionRequest, {"model": "m", "messages": Q, "n": 2})
-    assert e.param == "n" and e.code == "unsupported_parameter"
+    e = _refusal(oa.ChatCompletionRequest, {"model": "m", "messages": Q,
+                                            "logit_bias": {"1": 5}})
+    assert e.param == "logit_bias" and e.code == "unsupported_parameter"
     e = _refusal(oa.ChatCompletionRequest, {"messages": Q})
     assert e.message == "Missing required parameter 'model'"
     e = _refusal(ol.ChatRequest, {"model": "m", "messages": Q,

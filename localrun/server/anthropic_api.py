@@ -29,9 +29,9 @@ async def messages(request: Request) -> Any:
     gen = req.generation()
     mid = an.message_id()
     return await respond(
-        request, "messages", gen, lambda job: an.MessagesSSE(job, mid, req.model),
+        request, "messages", gen, lambda job: an.MessagesSSE(job, mid, req.model, req.omitted),
         lambda job, c: an.message(mid, req.model, c,
-                                  getattr(job.stream, "stop_sequence", None)))
+                                  getattr(job.stream, "stop_sequence", None), req.omitted))
 
 
 @router.post("/v1/messages/count_tokens", **operation(
@@ -39,10 +39,12 @@ async def messages(request: Request) -> Any:
     response=an.TokenCount, summary="Count a conversation's tokens"))
 async def count_tokens(request: Request) -> Any:
     req = await parse(request, an.CountTokensRequest)
-    # checked before the model loads, as a reply's request is
+    # checked before the model loads, as a reply's request is; counted as the reply's
+    # prompt is rendered (its tools, its thinking switch)
     gen = Generation(req.model, messages=req.conversation(), structured=req.structured(),
-                     names=an.NAMES).check()
+                     reasoning=req.reasoning(), names=an.NAMES).check()
     _, n = await Job.call(request, "count_tokens", req.model,
-                          lambda h: h.count_prompt_tokens(gen.messages, **gen.structured),
+                          lambda h: h.count_prompt_tokens(gen.messages, **gen.structured,
+                                                          **gen.reasoning),
                           param="messages")
     return JSONResponse(dump(an.TokenCount(input_tokens=n)))

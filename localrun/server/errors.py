@@ -102,6 +102,8 @@ def from_localrun(exc: E.LocalrunError, *, param: str | None = None) -> APIError
         return APIError(400, text, param="messages", code="context_length_exceeded")
     if isinstance(exc, E.InvalidSamplingError):
         return APIError(400, text, param=param or exc.option, code="invalid_value")
+    if isinstance(exc, E.UnsupportedFeatureError):  # logprobs/echo/token ids on this engine
+        return APIError(400, text, param=param or exc.option, code="unsupported_parameter")
     if isinstance(exc, E.StructuredOutputError):
         return APIError(400, text, param=param, code="invalid_value")
     if isinstance(exc, (E.ModelGatedError, E.HubAuthError)):

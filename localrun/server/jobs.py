@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,9 +28,10 @@ from localrun.server.manager import Lease, Loaded, ModelManager
 from localrun.server.metrics import Metrics
 from localrun.server.sizing import Kind
 from localrun.server.state import state_of, to_api_error
-from localrun.types import CancelToken, Chunk, Completion
+from localrun.types import CancelToken, Chunk, Completion, Timings, Usage
 
-EventKind = Literal["chunk", "done", "error"]
+#: "choice": one choice of a request that asked for several, whole (:class:`Choices`)
+EventKind = Literal["chunk", "choice", "done", "error"]
 
 #: the jobs open on each event loop (a server's), for :func:`stop_all`
 _open: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, set[Job]] = \
@@ -44,6 +45,69 @@ class Event:
     completion: Completion | None = None
     result: Any = None  # what a non-streaming worker returned (embeddings)
     error: BaseException | None = None
+    choice: int = 0  # a "choice" event's index
+
+
+@dataclass(frozen=True)
+class Choices(Completion):
+    """The replies of one request that asked for several (``n`` > 1, a list of prompts,
+    OpenAI's ``choices``), in choice order. As a Completion it holds their sums, which
+    the metrics and the access log count: every choice's completion tokens, and each
+    prompt's tokens once (``n`` choices of one prompt read it once, as OpenAI counts)."""
+
+    choices: tuple[Completion, ...] = ()
+
+    @classmethod
+    def of(cls, completions: Sequence[Completion], per_prompt: int = 1) -> Choices:
+        first = completions[0]
+        prompt = sum(c.usage.prompt_tokens for c in completions[::max(1, per_prompt)])
+        usage = Usage(prompt, sum(c.usage.completion_tokens for c in completions),
+                      sum(c.usage.reasoning_tokens for c in completions))
+        timings = Timings(ttft=min(c.timings.ttft for c in completions),
+                          total=max(c.timings.total for c in completions))
+        return cls(text=first.text, finish_reason=first.finish_reason, usage=usage,
+                   timings=timings, choices=tuple(completions))
+
+
+class ChoiceRun:
+    """Several sequences of one request, batched through the model's driver
+    (``Model.batch_iter``: they run together where the engine batches, at most its
+    concurrency at once). Iterated, it yields ``(index, Completion)`` as each ends (a
+    stream of whole choices); :meth:`join` waits for all and returns :class:`Choices`.
+    A reply whose JSON ``max_tokens`` cut is that choice with finish "length" (as a
+    single stream's); any other failure of one choice fails the request."""
+
+    def __init__(self, handle: Any, items: Sequence[Any], token: CancelToken,
+                 per_prompt: int = 1, **options: Any) -> None:
+        self.results: dict[int, Completion] = {}
+        self.count = len(items)
+        self.per_prompt = per_prompt
+        self._it = handle.batch_iter(list(items), cancel=token, **options)
+
+    def __iter__(self) -> ChoiceRun:
+        return self
+
+    def __next__(self) -> tuple[int, Completion]:
+        i, result = next(self._it)
+        if isinstance(result, IncompleteOutputError) and result.completion is not None:
+            result = result.completion
+        if not isinstance(result, Completion):
+            raise result
+        self.results[i] = result
+        return i, result
+
+    def join(self) -> Choices:
+        for _ in self:
+            pass
+        return Choices.of([self.results[i] for i in range(self.count)], self.per_prompt)
+
+    def __enter__(self) -> ChoiceRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
 
 
 class Wire(ABC):
@@ -56,6 +120,11 @@ class Wire(ABC):
     @abstractmethod
     def chunk(self, chunk: Chunk) -> Iterable[bytes]:
         """One piece of the reply (may write nothing)."""
+
+    def choice(self, index: int, completion: Completion) -> Iterable[bytes]:
+        """One choice of several, whole (a request that asked for several: only the
+        dialects that have ``n`` take one)."""
+        raise NotImplementedError(f"{type(self).__name__} writes one choice")
 
     @abstractmethod
     def done(self, completion: Completion) -> Iterable[bytes]:
@@ -185,7 +254,7 @@ class Job:
     async def collect(self, event: Event) -> Completion:
         """Read to the end from ``event`` for one JSON answer, and close."""
         try:
-            while event.kind == "chunk":
+            while event.kind in ("chunk", "choice"):
                 event = await self.next()
             if event.kind == "error":
                 assert event.error is not None
@@ -206,6 +275,10 @@ class Job:
                 if event.kind == "chunk":
                     assert event.chunk is not None
                     for data in wire.chunk(event.chunk):
+                        yield data
+                elif event.kind == "choice":
+                    assert event.completion is not None
+                    for data in wire.choice(event.choice, event.completion):
                         yield data
                 elif event.kind == "done":
                     assert event.completion is not None
@@ -245,8 +318,11 @@ class Job:
                 with result:
                     # one JSON answer: join() lets the engine thread feed the reply, and
                     # neither this thread nor the event loop wakes for each token
-                    for chunk in () if whole else result:
-                        self._put(Event("chunk", chunk=chunk))
+                    for item in () if whole else result:
+                        if isinstance(item, tuple):  # a ChoiceRun's whole choice
+                            self._put(Event("choice", completion=item[1], choice=item[0]))
+                        else:
+                            self._put(Event("chunk", chunk=item))
                     try:
                         completion = result.join()
                     except IncompleteOutputError as e:
@@ -284,9 +360,10 @@ class Job:
             raise APIError(504, f"Request timed out after {self.timeout:g} s "
                            "(--request-timeout); generation was stopped",
                            code="timeout") from None
-        if event.kind == "chunk" and self.first_token_at is None and event.chunk is not None \
-                and (event.chunk.text or getattr(event.chunk, "tool_calls", None)):
-            self.first_token_at = time.monotonic()
+        if self.first_token_at is None and (event.kind == "choice" or (
+                event.kind == "chunk" and event.chunk is not None and (
+                    event.chunk.text or event.chunk.reasoning or event.chunk.tool_calls))):
+            self.first_token_at = time.monotonic()  # thinking is the reply's first token too
         if event.kind == "done":
             self.completion = event.completion if event.completion is not None \
                 else event.result

@@ -51,8 +51,10 @@ async def chat(request: Request) -> Any:
     if not req.messages:  # Ollama's way to load (or, with keep_alive 0, unload) a model
         return await _hold(request, req.model, chat=True, **req.held())
     gen = req.generation()
-    return await respond(request, "api_chat", gen, lambda job: ol.NDJSON(job, req.model, True),
-                         lambda job, c: ol.NDJSON(job, req.model, True).whole(c),
+    scored = bool(req.logprobs or req.top_logprobs)
+    return await respond(request, "api_chat", gen,
+                         lambda job: ol.NDJSON(job, req.model, True, scored),
+                         lambda job, c: ol.NDJSON(job, req.model, True, scored).whole(c),
                          media_type=NDJSON)
 
 
@@ -66,9 +68,10 @@ async def generate(request: Request) -> Any:
     if not req.prompt:  # Ollama's way to load (or, with keep_alive 0, unload) a model
         return await _hold(request, model, chat=False, context=gen.context,
                            keep_alive=gen.keep_alive)
+    scored = bool(req.logprobs or req.top_logprobs)
     return await respond(request, "api_generate", gen,
-                         lambda job: ol.NDJSON(job, model, False),
-                         lambda job, c: ol.NDJSON(job, model, False).whole(c),
+                         lambda job: ol.NDJSON(job, model, False, scored),
+                         lambda job, c: ol.NDJSON(job, model, False, scored).whole(c),
                          media_type=NDJSON)
 
 
@@ -159,9 +162,11 @@ async def show(request: Request) -> Any:
     for m in st.manager.models.values():
         if m.name == model:
             i = m.info
-            return JSONResponse(show_body(i.format, i.architecture, i.quantization,
-                                          i.context_length, m.kind == "embed",
-                                          i.path if paths else None))
+            body = show_body(i.format, i.architecture, i.quantization, i.context_length,
+                             m.kind == "embed", i.path if paths else None)
+            if getattr(m.handle, "reasoning", None) is not None:  # localrun.Model.reasoning
+                body["capabilities"].append("thinking")
+            return JSONResponse(body)
     not_found = APIError(404, f"model '{model}' not found (neither loaded nor on disk; "
                          f"POST /api/pull to download it)", param="model",
                          code="model_not_found")
@@ -174,7 +179,31 @@ async def show(request: Request) -> Any:
     if found is None:
         raise not_found
     fmt, arch, quant, ctx, embeds, path = found
-    return JSONResponse(show_body(fmt, arch, quant, ctx, embeds, path if paths else None))
+    body = show_body(fmt, arch, quant, ctx, embeds, path if paths else None)
+    if not embeds and await asyncio.to_thread(_thinks, path):
+        body["capabilities"].append("thinking")
+    return JSONResponse(body)
+
+
+def _thinks(path: str) -> bool:
+    """Whether the model at ``path`` thinks, as its chat template says (a GGUF's
+    metadata, a folder's tokenizer files); False where it cannot be read."""
+    from pathlib import Path
+
+    from localrun.errors import LocalrunError
+    from localrun.reasoning import detect
+
+    try:
+        p = Path(path)
+        if p.is_dir():
+            from localrun.backends.hf_config import read_chat_template
+
+            return detect(read_chat_template(p).template) is not None
+        from localrun.formats.gguf import is_gguf, read_gguf
+
+        return is_gguf(p) and detect(read_gguf(p, check_size=False).chat_template) is not None
+    except (OSError, ValueError, LocalrunError):
+        return False
 
 
 # -- /api/pull --------------------------------------------------------------------------

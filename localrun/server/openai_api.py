@@ -19,6 +19,7 @@ from localrun.server.errors import APIError, bad_request, unsupported
 from localrun.server.jobs import Job
 from localrun.server.protocol import openai as oa
 from localrun.server.protocol.common import dump, parse, respond
+from localrun.server.protocol.openai_out import Echo
 from localrun.server.protocol.spec import operation
 from localrun.server.state import state_of
 
@@ -32,9 +33,11 @@ async def chat_completions(request: Request) -> Any:
     req = await parse(request, oa.ChatCompletionRequest)
     gen = req.generation()
     cid = "chatcmpl-" + secrets.token_hex(12)
+    scored = bool(req.logprobs or req.top_logprobs)
     return await respond(request, "chat", gen,
-                         lambda job: oa.ChatSSE(cid, req.model, req.include_usage),
-                         lambda job, c: oa.chat_completion(cid, req.model, c))
+                         lambda job: oa.ChatSSE(cid, req.model, req.include_usage, scored,
+                                                gen.several),
+                         lambda job, c: oa.chat_completion(cid, req.model, c, scored))
 
 
 @router.post("/v1/completions", **operation(
@@ -44,9 +47,11 @@ async def completions(request: Request) -> Any:
     req = await parse(request, oa.CompletionRequest)
     gen = req.generation()
     cid = "cmpl-" + secrets.token_hex(12)
+    echo = Echo(gen.prompts or [gen.prompt or ""], gen.n, bool(req.echo),
+                req.logprobs is not None)
     return await respond(request, "completions", gen,
-                         lambda job: oa.TextSSE(cid, req.model, req.include_usage),
-                         lambda job, c: oa.text_completion(cid, req.model, c))
+                         lambda job: oa.TextSSE(cid, req.model, req.include_usage, echo),
+                         lambda job, c: oa.text_completion(cid, req.model, c, echo))
 
 
 # -- /v1/models -------------------------------------------------------------------------

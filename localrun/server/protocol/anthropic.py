@@ -6,14 +6,30 @@ Supported: ``system`` (a string or text blocks), text, ``tool_use`` and ``tool_r
 content blocks, custom ``tools`` with an ``input_schema``, ``tool_choice`` (auto, any,
 tool, none), ``stop_sequences``, ``max_tokens``, ``temperature``/``top_p``/``top_k``,
 ``output_config.format`` (a JSON Schema the reply follows), ``stream`` with Anthropic's
-event sequence. Refused with a 400 that says so: images and documents, server tools
-(web search, code execution, ...), extended thinking, effort levels,
-``disable_parallel_tool_use``. ``cache_control`` marks and ``metadata`` are accepted and
-change nothing (the engines reuse a prompt's cached cells by themselves).
+event sequence, ``tool_choice.disable_parallel_tool_use`` (at most one call).
+
+Thinking (a model whose chat template thinks): ``thinking: {"type": "enabled",
+"budget_tokens": N}`` is a hard budget of N tokens (any N >= 0; Anthropic's minimum of
+1,024 is its models', not localrun's), ``{"type": "adaptive"}`` (and ``between_tools``)
+lets the model think as its template does, ``output_config.effort`` is an effort level
+(``xhigh`` and ``max`` are ``high``: no budget), ``{"type": "disabled"}`` switches it off
+— and so does leaving ``thinking`` out, as Claude clients expect no thinking blocks
+unless they ask. The reply's thinking is a ``thinking`` block before the rest, streamed
+as ``thinking_delta`` s and closed by a ``signature_delta``; its ``signature`` is an
+HMAC-SHA256 of the thinking under a secret this server process draws at start, opaque to
+clients. Thinking blocks sent back in an assistant turn go to the chat template (which
+shows or drops them, as the model's own does); their signatures are not checked.
+
+Refused with a 400 that says so: images and documents, server tools (web search, code
+execution, ...), redacted thinking. ``cache_control`` marks and ``metadata`` are accepted
+and change nothing (the engines reuse a prompt's cached cells by themselves).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import secrets
 from collections.abc import Iterable
@@ -34,16 +50,27 @@ from localrun.server.protocol.common import (
 )
 from localrun.types import Completion
 
-NAMES = {"stop": "stop_sequences", "response_format": "output_config.format"}
+NAMES = {"stop": "stop_sequences", "response_format": "output_config.format",
+         "thinking_budget": "thinking.budget_tokens", "think": "thinking",
+         "reasoning_effort": "output_config.effort", "parallel_tool_calls":
+         "tool_choice.disable_parallel_tool_use"}
 NO_IMAGES = ("images are not supported yet: localrun's engines take text (describe the "
              "image in a text block)")
 BLOCK_REASONS = {
     "image": NO_IMAGES, "document": "documents are not supported yet: send their text in a "
-    "text block", "thinking": "thinking blocks are not supported yet (localrun does not "
-    "separate reasoning from the reply)", "redacted_thinking": "thinking blocks are not "
-    "supported yet"}
-LATER_PARALLEL = ("not enforced: localrun lets a model make several calls in one turn "
-                  "(leave it out or false)")
+    "text block", "redacted_thinking": "redacted thinking is encrypted by the server that "
+    "wrote it and localrun cannot read it: leave the block out"}
+#: Anthropic's effort levels as localrun's (above "high": no budget, as "high")
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+#: the secret the thinking blocks' signatures are keyed with, one per server process
+_SECRET = secrets.token_bytes(32)
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's ``signature``: HMAC-SHA256 of its text under this process's
+    secret, base64 (opaque to clients, as Anthropic's)."""
+    digest = hmac.new(_SECRET, thinking.encode("utf-8"), hashlib.sha256).digest()
+    return base64.b64encode(digest).decode("ascii")
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -106,14 +133,26 @@ class ToolResultBlockParam(Shape):
         return f"Error: {text}" if self.is_error else text
 
 
+class ThinkingBlockParam(Shape):
+    """An earlier reply's thinking, sent back in its assistant turn (its signature as
+    it came; localrun does not check it)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+    IGNORED: ClassVar = ("cache_control",)
+
+
 def _block_tag(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in ("text", "tool_use", "tool_result") else "other"
+    return kind if kind in ("text", "tool_use", "tool_result", "thinking") else "other"
 
 
 ContentBlockParam = Annotated[
     Annotated[TextBlockParam, Tag("text")] | Annotated[ToolUseBlockParam, Tag("tool_use")]
-    | Annotated[ToolResultBlockParam, Tag("tool_result")] | Annotated[OtherBlock, Tag("other")],
+    | Annotated[ToolResultBlockParam, Tag("tool_result")]
+    | Annotated[ThinkingBlockParam, Tag("thinking")] | Annotated[OtherBlock, Tag("other")],
     Discriminator(_block_tag)]
 
 
@@ -131,6 +170,9 @@ class MessageParam(Shape):
                 if isinstance(block, ToolResultBlockParam) and self.role != "user":
                     raise invalid("a tool_result block belongs to a user turn",
                                   f"content[{i}]")
+                if isinstance(block, ThinkingBlockParam) and self.role != "assistant":
+                    raise invalid("a thinking block belongs to an assistant turn",
+                                  f"content[{i}]")
 
     def to_library(self) -> list[dict[str, Any]]:
         """The turn as the library's messages: a user turn's tool results are tool
@@ -147,6 +189,9 @@ class MessageParam(Shape):
                                    "content": "\n".join(texts) if texts or not calls else None}
             if calls:
                 msg["tool_calls"] = calls
+            thought = [b.thinking for b in self.content if isinstance(b, ThinkingBlockParam)]
+            if thought:
+                msg["reasoning_content"] = "\n".join(thought)
             return [msg]
         for b in self.content:
             if isinstance(b, ToolResultBlockParam):
@@ -187,8 +232,6 @@ class AnthropicToolChoice(Shape):
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
-    REFUSED: ClassVar = {"disable_parallel_tool_use": (False, LATER_PARALLEL)}
-
     def refuse(self) -> None:
         super().refuse()
         if self.type == "tool" and not self.name:
@@ -200,16 +243,21 @@ class AnthropicToolChoice(Shape):
 
 
 class ThinkingParam(Shape):
-    type: str
-    budget_tokens: Int | None = None
+    """``thinking``: enabled (with a budget), adaptive or between_tools (as the template
+    thinks), disabled."""
 
-    IGNORED: ClassVar = ("display",)
+    type: Literal["enabled", "adaptive", "between_tools", "disabled"]
+    budget_tokens: Int | None = Field(default=None, ge=0)
+    display: Literal["summarized", "omitted"] | None = None
 
     def refuse(self) -> None:
-        if self.type != "disabled":
-            raise refused("", "extended thinking is not supported yet (localrun does not "
-                          "separate reasoning from the reply): leave it out or disabled")
         super().refuse()
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise invalid("thinking of type 'enabled' needs 'budget_tokens' (the most tokens "
+                          "of thinking, e.g. 1024)", "budget_tokens")
+        if self.type != "enabled" and self.budget_tokens is not None:
+            raise invalid(f"'budget_tokens' goes with thinking of type 'enabled', not "
+                          f"{self.type!r}", "budget_tokens")
 
 
 class OutputFormat(Passed):
@@ -219,9 +267,7 @@ class OutputFormat(Passed):
 
 class OutputConfig(Shape):
     format: OutputFormat | None = None
-    effort: str | None = None
-
-    REFUSED: ClassVar = {"effort": (None, "effort levels are not supported yet")}
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class CountTokensRequest(Shape):
@@ -260,7 +306,27 @@ class CountTokensRequest(Shape):
         if self.tool_choice is not None and (self.tools or self.tool_choice.type in (
                 "any", "tool")):
             out["tool_choice"] = self.tool_choice.to_library()
+            if self.tool_choice.disable_parallel_tool_use and self.tools:
+                out["parallel_tool_calls"] = False
         return out
+
+    def reasoning(self) -> dict[str, Any]:
+        """The thinking options: off unless ``thinking`` asks (Claude clients expect no
+        thinking blocks otherwise), a budget, an effort level."""
+        t = self.thinking
+        effort = self.output_config.effort if self.output_config is not None else None
+        if t is None or t.type == "disabled":
+            return {"think": False}
+        if t.budget_tokens is not None:  # a budget of 0: no thinking
+            return {"thinking_budget": t.budget_tokens}
+        if effort is not None:
+            return {"reasoning_effort": EFFORTS[effort]}
+        return {"think": True}
+
+    @property
+    def omitted(self) -> bool:
+        """``thinking.display`` "omitted": thinking blocks carry no text, only a signature."""
+        return self.thinking is not None and self.thinking.display == "omitted"
 
 
 class MessagesRequest(CountTokensRequest):
@@ -284,8 +350,8 @@ class MessagesRequest(CountTokensRequest):
         if stops:
             sampling["stop"] = stops
         return Generation(self.model, messages=self.conversation(), sampling=sampling,
-                          structured=self.structured(), stream=bool(self.stream),
-                          names=NAMES).check()
+                          structured=self.structured(), reasoning=self.reasoning(),
+                          stream=bool(self.stream), names=NAMES).check()
 
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
@@ -305,6 +371,15 @@ class ToolUseBlock(BaseModel):
     input: Any
 
 
+class ThinkingBlock(BaseModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+OutBlock = TextBlock | ThinkingBlock | ToolUseBlock
+
+
 class MessageUsage(BaseModel):
     input_tokens: int
     output_tokens: int
@@ -317,7 +392,7 @@ class Message(BaseModel):
     type: Literal["message"]
     role: Literal["assistant"]
     model: str
-    content: list[TextBlock | ToolUseBlock]
+    content: list[OutBlock]
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: MessageUsage
@@ -337,6 +412,16 @@ class InputJSONDelta(BaseModel):
     partial_json: str
 
 
+class ThinkingDelta(BaseModel):
+    type: Literal["thinking_delta"]
+    thinking: str
+
+
+class SignatureDelta(BaseModel):
+    type: Literal["signature_delta"]
+    signature: str
+
+
 class StopDelta(BaseModel):
     stop_reason: str | None
     stop_sequence: str | None
@@ -354,8 +439,8 @@ class StreamEvent(BaseModel):
                   "content_block_stop", "message_delta", "message_stop", "ping", "error"]
     message: Message | None = None
     index: int | None = None
-    content_block: TextBlock | ToolUseBlock | None = None
-    delta: TextDelta | InputJSONDelta | StopDelta | None = None
+    content_block: OutBlock | None = None
+    delta: TextDelta | InputJSONDelta | ThinkingDelta | SignatureDelta | StopDelta | None = None
     usage: MessageUsage | None = None
     error: ErrorBody | None = None
 
@@ -368,9 +453,12 @@ def stop_reason(c: Completion, stop_sequence: str | None) -> StopReason:
     return "stop_sequence" if stop_sequence else "end_turn"
 
 
-def _block(b: Block) -> TextBlock | ToolUseBlock:
+def _block(b: Block, omitted: bool = False) -> OutBlock:
     if b.kind == "text":
         return TextBlock(type="text", text=b.text)
+    if b.kind == "thinking":
+        return ThinkingBlock(type="thinking", thinking="" if omitted else b.text,
+                             signature=signature(b.text))
     return ToolUseBlock(type="tool_use", id=b.call_id, name=b.name, input=b.input)
 
 
@@ -378,9 +466,11 @@ def message_id() -> str:
     return "msg_" + secrets.token_hex(12)
 
 
-def message(mid: str, model: str, c: Completion, stop_sequence: str | None) -> Message:
+def message(mid: str, model: str, c: Completion, stop_sequence: str | None,
+            omitted: bool = False) -> Message:
+    """The whole answer (``omitted``: thinking blocks without their text)."""
     return Message(id=mid, type="message", role="assistant", model=model,
-                   content=[_block(b) for b in blocks_of(c)],
+                   content=[_block(b, omitted) for b in blocks_of(c, reasoning=True)],
                    stop_reason=stop_reason(c, stop_sequence),
                    stop_sequence=stop_sequence if c.finish_reason == "stop" else None,
                    usage=MessageUsage(input_tokens=c.usage.prompt_tokens,
@@ -389,15 +479,17 @@ def message(mid: str, model: str, c: Completion, stop_sequence: str | None) -> M
 
 class MessagesSSE(BlockWire):
     """Anthropic's stream: ``message_start``, a ``ping``, then per block
-    ``content_block_start``/``_delta``/``_stop`` (text deltas, or a tool call's
-    ``input_json_delta`` fragments), ``message_delta`` (stop reason, usage),
-    ``message_stop``; an ``error`` event when it fails after it began."""
+    ``content_block_start``/``_delta``/``_stop`` (``thinking_delta`` s and a
+    ``signature_delta``, text deltas, or a tool call's ``input_json_delta`` fragments),
+    ``message_delta`` (stop reason, usage), ``message_stop``; an ``error`` event when it
+    fails after it began. ``omitted``: thinking blocks carry no text deltas."""
 
-    def __init__(self, job: Any, mid: str, model: str) -> None:
-        super().__init__()
+    def __init__(self, job: Any, mid: str, model: str, omitted: bool = False) -> None:
+        super().__init__(reasoning=True)
         self.job = job
         self.mid = mid
         self.model = model
+        self.omitted = omitted
 
     def _send(self, **fields: Any) -> bytes:
         event = StreamEvent(**fields)
@@ -414,16 +506,28 @@ class MessagesSSE(BlockWire):
 
     def event(self, event: BlockEvent) -> Iterable[bytes]:
         if event.kind == "start":
-            block: TextBlock | ToolUseBlock = TextBlock(type="text", text="") \
-                if event.block == "text" else ToolUseBlock(type="tool_use", id=event.call_id,
-                                                           name=event.name, input={})
+            block: OutBlock = TextBlock(type="text", text="")
+            if event.block == "thinking":
+                block = ThinkingBlock(type="thinking", thinking="", signature="")
+            elif event.block == "tool_call":
+                block = ToolUseBlock(type="tool_use", id=event.call_id, name=event.name,
+                                     input={})
             yield self._send(type="content_block_start", index=event.index, content_block=block)
         elif event.kind == "delta":
-            delta: TextDelta | InputJSONDelta = TextDelta(type="text_delta", text=event.text) \
-                if event.block == "text" else InputJSONDelta(type="input_json_delta",
-                                                             partial_json=event.text)
+            delta: TextDelta | InputJSONDelta | ThinkingDelta = \
+                TextDelta(type="text_delta", text=event.text)
+            if event.block == "thinking":
+                if self.omitted:
+                    return
+                delta = ThinkingDelta(type="thinking_delta", thinking=event.text)
+            elif event.block == "tool_call":
+                delta = InputJSONDelta(type="input_json_delta", partial_json=event.text)
             yield self._send(type="content_block_delta", index=event.index, delta=delta)
         else:
+            if event.block == "thinking":
+                yield self._send(type="content_block_delta", index=event.index,
+                                 delta=SignatureDelta(type="signature_delta",
+                                                      signature=signature(event.text)))
             yield self._send(type="content_block_stop", index=event.index)
 
     def end(self, completion: Completion) -> Iterable[bytes]:

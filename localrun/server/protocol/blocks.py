@@ -6,7 +6,10 @@ The library streams text pieces and tool-call deltas (:class:`~localrun.types.Ch
 each call's first delta has its index, id and name; later ones argument fragments).
 :class:`Blocks` turns them into blocks numbered in the order they begin — a run of
 text, then a tool call, then perhaps text again — each opened, fed and closed (the
-open one closes when another begins, and at the end). :class:`BlockWire` is the
+open one closes when another begins, and at the end). A thinking model's thinking
+(chunks' ``reasoning``) is a "thinking" block before them, for a dialect that asks
+(``Blocks(reasoning=True)``, ``blocks_of(c, reasoning=True)``); one that does not
+never sees it. :class:`BlockWire` is the
 :class:`~localrun.server.jobs.Wire` a dialect subclasses: it writes each
 :class:`BlockEvent` and the end in its own events.
 """
@@ -22,14 +25,15 @@ from typing import Any, Literal
 from localrun.server.jobs import Wire
 from localrun.types import Chunk, Completion
 
-BlockKind = Literal["text", "tool_call"]
+BlockKind = Literal["text", "tool_call", "thinking"]
 
 
 @dataclass(frozen=True)
 class BlockEvent:
     """``start`` (a tool call's carries ``call_id`` and ``name``), ``delta`` (``text``:
-    reply text, or a fragment of the call's arguments JSON), ``stop`` (a tool call's
-    carries its whole ``text``: the arguments JSON)."""
+    reply text, thinking, or a fragment of the call's arguments JSON), ``stop`` (a tool
+    call's carries its whole ``text``: the arguments JSON; a thinking block's, the whole
+    thinking)."""
 
     kind: Literal["start", "delta", "stop"]
     index: int
@@ -41,7 +45,7 @@ class BlockEvent:
 
 @dataclass(frozen=True)
 class Block:
-    """One block of a whole reply: text, or a tool call (``arguments`` JSON)."""
+    """One block of a whole reply: text, thinking, or a tool call (``arguments`` JSON)."""
 
     kind: BlockKind
     text: str = ""
@@ -58,9 +62,11 @@ class Block:
             return self.arguments
 
 
-def blocks_of(c: Completion) -> list[Block]:
-    """A whole reply's blocks: its text (if any), then its tool calls."""
-    out = [Block("text", text=c.text)] if c.text else []
+def blocks_of(c: Completion, reasoning: bool = False) -> list[Block]:
+    """A whole reply's blocks: its thinking (with ``reasoning``, if it has any), its
+    text (if any), then its tool calls."""
+    out = [Block("thinking", text=c.reasoning)] if reasoning and c.reasoning else []
+    out += [Block("text", text=c.text)] if c.text else []
     out += [Block("tool_call", call_id=t.id, name=t.name, arguments=t.arguments)
             for t in c.tool_calls]
     return out
@@ -69,7 +75,9 @@ def blocks_of(c: Completion) -> list[Block]:
 class Blocks:
     """Streamed chunks → :class:`BlockEvent` s (see the module's docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reasoning: bool = False) -> None:
+        self.reasoning = reasoning  # thinking chunks make a "thinking" block
+        self.thought: list[str] = []  # the thinking block's pieces
         self.count = 0  # blocks begun
         self.open: tuple[BlockKind, int] | None = None  # (kind, call index) of the open one
         self.calls: dict[int, tuple[int, str, str, list[str]]] = {}  # call → (block, id, ...)
@@ -82,6 +90,8 @@ class Blocks:
         self.count += 1
         if kind == "tool_call":
             self.calls[call] = (index, call_id, name, [])
+        elif kind == "thinking":
+            self.thought = []
         out.append(BlockEvent("start", index, kind, call_id=call_id, name=name))
         return out
 
@@ -92,11 +102,18 @@ class Blocks:
         self.open = None
         if kind == "text":
             return [BlockEvent("stop", self.count - 1, "text")]
+        if kind == "thinking":
+            return [BlockEvent("stop", self.count - 1, "thinking", "".join(self.thought))]
         index, call_id, name, parts = self.calls[call]
         return [BlockEvent("stop", index, "tool_call", "".join(parts), call_id, name)]
 
     def feed(self, chunk: Chunk) -> list[BlockEvent]:
         out: list[BlockEvent] = []
+        if chunk.reasoning and self.reasoning:
+            if self.open is None or self.open[0] != "thinking":
+                out += self._start("thinking")
+            self.thought.append(chunk.reasoning)
+            out.append(BlockEvent("delta", self.count - 1, "thinking", chunk.reasoning))
         if chunk.text:
             if self.open is None or self.open[0] != "text":
                 out += self._start("text")
@@ -121,8 +138,8 @@ class BlockWire(Wire):
     """A dialect's stream over :class:`Blocks`: subclasses write :meth:`event` and
     :meth:`end` (and :meth:`begin`, :meth:`error`, as every Wire)."""
 
-    def __init__(self) -> None:
-        self.blocks = Blocks()
+    def __init__(self, reasoning: bool = False) -> None:
+        self.blocks = Blocks(reasoning)
 
     def chunk(self, chunk: Chunk) -> Iterable[bytes]:
         for event in self.blocks.feed(chunk):

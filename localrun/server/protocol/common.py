@@ -229,33 +229,52 @@ def _shown_value(value: Any) -> str:
 @dataclass
 class Generation:
     """The library's one generation request, as every dialect translates into it: a
-    chat (``messages``) or a raw prompt (``prompt``), the sampling options set, the
-    structured-output options (``response_format``/``tools``/``tool_choice``, as
-    ``Model.stream`` takes them), and how the model is held (``context``,
+    chat (``messages``) or a raw prompt (``prompt``: text, or token ids), the sampling
+    options set (log probabilities and ``echo`` among them), the structured-output
+    options (``response_format``/``tools``/``tool_choice``/``parallel_tool_calls``, as
+    ``Model.stream`` takes them), the thinking options (``reasoning``: ``think``,
+    ``reasoning_effort``, ``thinking_budget``), and how the model is held (``context``,
     ``keep_alive``). ``names`` maps the library's option names to the dialect's (for
-    its errors: ``max_tokens`` is Ollama's ``options.num_predict``)."""
+    its errors: ``max_tokens`` is Ollama's ``options.num_predict``).
+
+    Several replies in one request (OpenAI's ``n``, a list of prompts): ``prompts``
+    holds the raw prompts and ``n`` the replies to each; they run together through the
+    model's driver (:class:`~localrun.server.jobs.ChoiceRun`), choice ``i * n + j``
+    being prompt ``i``'s ``j``-th, each with its own seed (the request's seed + its
+    index, so that choice 0 is what ``n`` = 1 gives). ``whole`` streams each choice whole
+    as it ends (the route's Wire writes it), not piece by piece."""
 
     model: str
     messages: list[dict[str, Any]] | None = None
-    prompt: str | None = None
+    prompt: str | list[int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     structured: dict[str, Any] = field(default_factory=dict)
+    reasoning: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     context: int | None = None
     keep_alive: Any = "default"
     fill: bool = False  # Ollama's num_predict < 0: as many tokens as the context holds
     names: Mapping[str, str] = field(default_factory=dict)
+    prompts: list[str | list[int]] | None = None
+    n: int = 1
+    whole: bool = False
+
+    @property
+    def several(self) -> bool:
+        """Whether it runs as several choices (:class:`~localrun.server.jobs.ChoiceRun`)."""
+        return self.n > 1 or self.prompts is not None or self.whole
 
     def check(self) -> Generation:
         """Everything the library would refuse, refused now, before any model loads: the
-        sampling values, the tools' and response format's JSON Schemas (compiled as the
-        engine will compile them), the messages."""
+        sampling values, the thinking options, the tools' and response format's JSON
+        Schemas (compiled as the engine will compile them), the messages."""
         from localrun.errors import LocalrunError
         from localrun.server.errors import from_localrun
         from localrun.server.params import check_sampling
         from localrun.templates import normalize_messages
 
         check_sampling(self.sampling, self.names)
+        check_reasoning(self.reasoning, self.names)
         check_structured(self.structured, self.names)
         if self.messages is not None:
             try:
@@ -265,14 +284,54 @@ class Generation:
         return self
 
     def call(self, handle: Any, token: Any) -> Any:
-        """Start it on a loaded model (a worker thread): a ``localrun.Stream``."""
+        """Start it on a loaded model (a worker thread): a ``localrun.Stream``, or a
+        :class:`~localrun.server.jobs.ChoiceRun` for several choices."""
         sampling = self.sampling
         if self.fill:
             sampling = {**sampling, "max_tokens": handle.info.context_length}
+        if self.several:
+            return self._choices(handle, token, sampling)
         if self.messages is not None:
-            return handle.stream(self.messages, cancel=token, **self.structured, **sampling)
+            return handle.stream(self.messages, cancel=token, **self.structured,
+                                 **self.reasoning, **sampling)
         return handle.stream(self.prompt or "", raw=True, cancel=token, **self.structured,
-                             **sampling)
+                             **self.reasoning, **sampling)
+
+    def _choices(self, handle: Any, token: Any, sampling: dict[str, Any]) -> Any:
+        from localrun.batch import BatchItem
+        from localrun.sampling import MAX_SEED
+        from localrun.server.jobs import ChoiceRun
+
+        sampling = dict(sampling)
+        seed = sampling.pop("seed", None)
+        inputs: list[Any] = list(self.prompts) if self.prompts is not None else [
+            self.messages if self.messages is not None else self.prompt]
+        raw = self.messages is None
+        items = []
+        for value in inputs:
+            for j in range(self.n):
+                own = {} if seed is None else {"seed": (seed + j) % (MAX_SEED + 1)}
+                items.append(BatchItem(value, own, raw=raw))
+        return ChoiceRun(handle, items, token, self.n, **self.structured, **self.reasoning,
+                         **sampling)
+
+
+def check_reasoning(reasoning: Mapping[str, Any], names: Mapping[str, str]) -> None:
+    """The library's own check of ``think``/``reasoning_effort``/``thinking_budget``,
+    with the field named in the dialect's words (Anthropic's ``thinking.budget_tokens``)."""
+    if not reasoning:
+        return
+    from localrun.errors import InvalidSamplingError
+    from localrun.reasoning import reasoning_request
+    from localrun.server.errors import from_localrun
+
+    try:
+        reasoning_request(**reasoning)
+    except InvalidSamplingError as e:
+        param = names.get(e.option, e.option)
+        error = from_localrun(e, param=param)
+        error.message = f"Invalid '{param}': {error.message}"
+        raise error from None
 
 
 def check_structured(structured: Mapping[str, Any], names: Mapping[str, str]) -> None:
@@ -334,9 +393,14 @@ async def respond(request: Any, endpoint: str, gen: Generation,
 
     from localrun.server.jobs import Job
 
-    job, first = await Job.generate(request, endpoint, gen.model, gen.call,
-                                    context=gen.context, keep_alive=gen.keep_alive,
-                                    stream=gen.stream)
+    try:
+        job, first = await Job.generate(request, endpoint, gen.model, gen.call,
+                                        context=gen.context, keep_alive=gen.keep_alive,
+                                        stream=gen.stream)
+    except APIError as e:  # an option the engine lacks, named as the dialect names it
+        if e.param is not None and e.param in gen.names:
+            e.param = gen.names[e.param]
+        raise
     if gen.stream:
         headers = SSE_HEADERS if media_type == "text/event-stream" else None
         return StreamingResponse(job.pump(first, wire(job)), media_type=media_type,

@@ -5,8 +5,12 @@ answers and the NDJSON stream (:class:`NDJSON`).
 Ollama's names map to localrun's: ``num_predict`` → max_tokens, ``repeat_penalty`` →
 repetition_penalty, ``num_ctx`` → the context the model is loaded with, ``format``
 ("json" or a JSON Schema) → structured output, ``keep_alive`` → how long the model stays
-loaded after this request. Options localrun cannot honour are refused with 400, never
-dropped. ``stream`` defaults to true, as in Ollama.
+loaded after this request, ``think`` (true/false, or "low"/"medium"/"high": an effort
+level) → the thinking switch. A thinking model's thinking is ``message.thinking``
+(``thinking`` on /api/generate), streamed in lines whose content is ""; an earlier
+turn's ``thinking`` goes back to the chat template. ``logprobs``/``top_logprobs`` give
+each line's tokens with their log probabilities. Options localrun cannot honour are
+refused with 400, never dropped. ``stream`` defaults to true, as in Ollama.
 """
 
 from __future__ import annotations
@@ -21,10 +25,17 @@ from pydantic import BaseModel, Field
 from localrun.server.config import parse_duration
 from localrun.server.errors import APIError, bad_request
 from localrun.server.jobs import Wire
-from localrun.server.protocol.common import Generation, Int, Passed, Shape, takes_only
+from localrun.server.protocol.common import (
+    Generation,
+    Int,
+    Passed,
+    Shape,
+    invalid,
+    takes_only,
+)
 from localrun.server.protocol.openai import TEXT, TEXT_INPUTS, ToolParam
 from localrun.structured.calls import new_call_id
-from localrun.types import Chunk, Completion
+from localrun.types import Chunk, Completion, TokenLogprob, chat_logprobs
 
 #: Ollama options localrun has no equivalent for; refused by name.
 UNSUPPORTED_OPTIONS = {
@@ -45,10 +56,11 @@ UNSUPPORTED_OPTIONS = {
 NAMES = {"max_tokens": "options.num_predict", "temperature": "options.temperature",
          "top_p": "options.top_p", "top_k": "options.top_k", "min_p": "options.min_p",
          "repetition_penalty": "options.repeat_penalty", "seed": "options.seed",
-         "stop": "options.stop", "response_format": "format"}
+         "stop": "options.stop", "response_format": "format", "think": "think",
+         "reasoning_effort": "think"}
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "stop", "cancelled": "stop"}
-THINK_LATER = "reasoning traces are not separated from the reply yet"
-LOGPROBS_LATER = "log probabilities are not available from every engine"
+#: Ollama's think levels (localrun's reasoning_effort names them alike)
+THINK_LEVELS = ("low", "medium", "high")
 NO_IMAGES = "image input is not supported by localrun's engines yet"
 
 
@@ -93,7 +105,7 @@ class OllamaMessage(Shape):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
     images: list[str] | None = None
-    thinking: str | None = None  # an earlier reply's reasoning: not sent back to the model
+    thinking: str | None = None  # an earlier reply's thinking: to the template, which may show it
     tool_calls: list[OllamaToolCall] | None = None
     tool_name: str | None = None
     tool_call_id: str | None = None
@@ -113,8 +125,24 @@ class Generating(Shape):
     logprobs: bool | None = None
     top_logprobs: Int | None = None
 
-    REFUSED: ClassVar = {"think": (False, THINK_LATER), "logprobs": (False, LOGPROBS_LATER),
-                         "top_logprobs": (0, LOGPROBS_LATER)}
+    def refuse(self) -> None:
+        super().refuse()
+        if isinstance(self.think, str) and self.think not in THINK_LEVELS:
+            raise invalid(f"think={self.think!r}: send true, false, or an effort level "
+                          f"({', '.join(THINK_LEVELS)})", "think")
+
+    def thinking(self) -> dict[str, Any]:
+        """``think`` as the library's options: the switch, or an effort level."""
+        if self.think is None:
+            return {}
+        if isinstance(self.think, str):
+            return {"reasoning_effort": self.think}
+        return {"think": self.think}
+
+    def scored(self) -> dict[str, Any]:
+        """``logprobs``/``top_logprobs`` as sampling options."""
+        out = {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs}
+        return {k: v for k, v in out.items() if v is not None}
 
     def held(self) -> dict[str, Any]:
         """How the model is held: its context, its keep-alive."""
@@ -150,9 +178,10 @@ class ChatRequest(Generating):
             structured["response_format"] = fmt
         if self.tools:
             structured["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
-        return Generation(self.model, messages=_messages(self.messages), sampling=sampling,
-                          structured=structured, stream=self.stream is not False, fill=fill,
-                          names=NAMES, **self.held()).check()
+        return Generation(self.model, messages=_messages(self.messages),
+                          sampling={**sampling, **self.scored()}, structured=structured,
+                          reasoning=self.thinking(), stream=self.stream is not False,
+                          fill=fill, names=NAMES, **self.held()).check()
 
 
 class GenerateRequest(Generating):
@@ -176,14 +205,20 @@ class GenerateRequest(Generating):
     def generation(self) -> Generation:
         if self.raw and self.system:
             raise bad_request("'system' has no meaning with raw=true", "system")
+        if self.raw and self.think not in (None, False):
+            raise bad_request(f"think={json.dumps(self.think)} with raw=true: a raw prompt has "
+                              "no chat template to think in (leave think out, or drop raw)",
+                              "think")
         sampling, fill = (self.options or Options()).sampling()
         fmt = self.response_format()
         structured = {"response_format": fmt} if fmt is not None else {}
-        common: dict[str, Any] = {"sampling": sampling, "structured": structured,
+        common: dict[str, Any] = {"sampling": {**sampling, **self.scored()},
+                                  "structured": structured,
                                   "stream": self.stream is not False, "fill": fill,
                                   "names": NAMES, **self.held()}
         if self.raw:
             return Generation(self.model, prompt=self.prompt or "", **common).check()
+        common["reasoning"] = self.thinking()
         messages = ([{"role": "system", "content": self.system}] if self.system else []) \
             + [{"role": "user", "content": self.prompt or ""}]
         return Generation(self.model, messages=messages, **common).check()
@@ -248,6 +283,8 @@ def _messages(raw: list[OllamaMessage]) -> list[dict[str, Any]]:
     calls_by_name: dict[str, str] = {}
     for m in raw:
         msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.thinking is not None and m.role == "assistant":
+            msg["reasoning_content"] = m.thinking
         if m.tool_calls:
             msg["tool_calls"] = []
             for call in m.tool_calls:
@@ -287,7 +324,18 @@ class OutToolCall(BaseModel):
 class OutMessage(BaseModel):
     role: Literal["assistant"]
     content: str
+    thinking: str | None = None  # a thinking model's thinking
     tool_calls: list[OutToolCall] | None = None
+
+
+class OutTop(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class OutLogprob(OutTop):
+    top_logprobs: list[OutTop] | None = None
 
 
 class Answer(BaseModel):
@@ -298,6 +346,8 @@ class Answer(BaseModel):
     created_at: str
     message: OutMessage | None = None
     response: str | None = None
+    thinking: str | None = None  # /api/generate's: a thinking model's thinking
+    logprobs: list[OutLogprob] | None = None
     done: bool
     done_reason: str | None = None
     total_duration: int | None = None
@@ -341,32 +391,49 @@ def _line(data: Any) -> bytes:
 
 
 class NDJSON(Wire):
-    """Ollama's stream: one object per line, the last with ``done`` and the timings."""
+    """Ollama's stream: one object per line (the thinking's lines first, their content
+    ""), the last with ``done`` and the timings. ``scored``: the request asked for log
+    probabilities, which each line carries for the tokens it brings."""
 
-    def __init__(self, job: Any, model: str, chat: bool) -> None:
+    def __init__(self, job: Any, model: str, chat: bool, scored: bool = False) -> None:
         self.job = job
         self.model = model
         self.chat = chat
+        self.scored = scored
 
-    def piece(self, text: str) -> dict[str, Any]:
+    def piece(self, text: str, thinking: str | None = None,
+              logprobs: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any]:
         from localrun.server.catalog import rfc3339
 
+        out: dict[str, Any] = {"model": self.model, "created_at": rfc3339()}
         if self.chat:
-            return {"model": self.model, "created_at": rfc3339(),
-                    "message": {"role": "assistant", "content": text}, "done": False}
-        return {"model": self.model, "created_at": rfc3339(), "response": text, "done": False}
+            out["message"] = {"role": "assistant", "content": text}
+            if thinking is not None:
+                out["message"]["thinking"] = thinking
+        else:
+            out["response"] = text
+            if thinking is not None:
+                out["thinking"] = thinking
+        if self.scored and logprobs is not None:
+            out["logprobs"] = chat_logprobs(logprobs)["content"]
+        out["done"] = False
+        return out
 
     def whole(self, c: Completion) -> Answer:
-        """The non-streamed answer: the reply, its tool calls, the timings."""
-        out = self.piece(c.text)
+        """The non-streamed answer: the reply, its thinking, tool calls, the timings."""
+        out = self.piece(c.text, c.reasoning, c.logprobs or ())
         if self.chat and c.tool_calls:
             out["message"]["tool_calls"] = tool_calls(c)
         out.update(_stats(self.job, c))
         return Answer.model_validate(out)
 
     def chunk(self, chunk: Chunk) -> Iterable[bytes]:
-        if chunk.text and not chunk.tool_calls:
-            yield _line(self.piece(chunk.text))
+        if chunk.reasoning:
+            yield _line(self.piece("", chunk.reasoning, chunk.logprobs))
+        elif chunk.text and not chunk.tool_calls:
+            yield _line(self.piece(chunk.text, None, chunk.logprobs))
+        elif self.scored and chunk.logprobs:  # tokens a stop string held back, the end's
+            yield _line(self.piece("", None, chunk.logprobs))
 
     def done(self, completion: Completion) -> Iterable[bytes]:
         if self.chat and completion.tool_calls:  # Ollama sends each call whole

@@ -1,24 +1,22 @@
-"""OpenAI's shapes: Chat Completions, Completions, Embeddings and the model list — the
-requests (checked, then translated into a :class:`~.common.Generation`), the answers,
-the stream's chunks, and the streams' :class:`~localrun.server.jobs.Wire` s.
+"""OpenAI's request shapes: Chat Completions, Completions, Embeddings — checked, then
+translated into a :class:`~.common.Generation`. The answers, the streams' chunks and
+their :class:`~localrun.server.jobs.Wire` s are in :mod:`.openai_out` (and named here too).
 
-Shapes follow OpenAI's API reference as the official ``openai`` Python client reads them
-(streamed tool-call deltas always carry ``index``; a stream with
-``stream_options.include_usage`` ends with a chunk whose ``choices`` is empty).
+Beyond the reference: thinking models (``reasoning_effort``; vLLM's
+``chat_template_kwargs.enable_thinking``; DashScope's ``enable_thinking`` and
+``thinking_budget``; an earlier turn's ``reasoning_content`` passed back to the
+template), log probabilities (``logprobs``/``top_logprobs``; legacy ``logprobs: k`` and
+``echo``), token-array prompts, lists of prompts and ``n`` (at most :data:`MAX_N`
+replies per prompt, :data:`MAX_CHOICES` per request).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from localrun import __version__
-from localrun.server.errors import APIError, bad_request, unsupported
-from localrun.server.jobs import Wire
-from localrun.server.protocol.blocks import sse
+from localrun.server.errors import bad_request
 from localrun.server.protocol.common import (
     Generation,
     Int,
@@ -28,16 +26,44 @@ from localrun.server.protocol.common import (
     refused,
     takes_only,
 )
-from localrun.types import Chunk, Completion
+from localrun.server.protocol.openai_out import (
+    FINGERPRINT,
+    FINISH,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatSSE,
+    EmbeddingData,
+    EmbeddingList,
+    EmbeddingUsage,
+    ModelEntry,
+    ModelList,
+    TextCompletion,
+    TextSSE,
+    chat_completion,
+    text_completion,
+)
+from localrun.types import MAX_TOP_LOGPROBS
 
-FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "stop"}
-FINGERPRINT = f"localrun-{__version__}"
-LOGPROBS_LATER = "log probabilities are not available from every engine"
+#: this dialect's answers (:mod:`.openai_out`), named here too
+__all__ = ["FINGERPRINT", "FINISH", "ChatCompletion", "ChatCompletionChunk", "ChatSSE",
+           "EmbeddingData", "EmbeddingList", "EmbeddingUsage", "ModelEntry", "ModelList",
+           "TextCompletion", "TextSSE", "chat_completion", "text_completion"]
 PENALTY = "use repetition_penalty (localrun's, the same on every engine)"
-#: what a prompt or an embedding input takes (token arrays are refused, saying so)
+#: Most replies one request may ask for per prompt (``n``), and in all (prompts × ``n``).
+#: Each is a whole sequence: they run at most the model's concurrency at once, the rest
+#: waiting inside the request, which holds its place and every finished choice (with
+#: its log probabilities) until the last ends. 16 covers sampling several answers to
+#: pick from; 64 an evaluation harness's batch (lm-eval's ``batch_size``).
+MAX_N = 16
+MAX_CHOICES = 64
+#: what an embedding input takes (token arrays are refused, saying so)
 TEXT = {"type": "string", "minLength": 1}
-TEXT_INPUT = {"anyOf": [TEXT, {"type": "array", "items": TEXT, "minItems": 1, "maxItems": 1}]}
 TEXT_INPUTS = {"anyOf": [TEXT, {"type": "array", "items": TEXT, "minItems": 1}]}
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+#: what /v1/completions' prompt takes: text, token ids, or a list of either
+PROMPTS = {"anyOf": [TEXT, _IDS,
+                     {"type": "array", "items": TEXT, "minItems": 1, "maxItems": MAX_CHOICES},
+                     {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_CHOICES}]}
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -81,6 +107,10 @@ class ChatMessage(Shape):
     tool_call_id: str | None = None
     name: str | None = None
     refusal: str | None = None
+    #: an earlier reply's thinking, as vLLM and DeepSeek return it (``reasoning``: the
+    #: newer spelling): given to the chat template, which shows or drops it
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     REFUSED: ClassVar = {"refusal": (None, "a refusal cannot be sent back")}
 
@@ -102,6 +132,10 @@ class ChatMessage(Shape):
             value = getattr(self, key)
             if value is not None:
                 msg[key] = value
+        thought = self.reasoning_content if self.reasoning_content is not None \
+            else self.reasoning
+        if thought is not None and self.role == "assistant":
+            msg["reasoning_content"] = thought
         return msg
 
 
@@ -153,7 +187,7 @@ class Sampled(Shape):
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Int | None = None
+    n: Int | None = Field(default=None, ge=1)
     logit_bias: dict[str, Any] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -165,7 +199,6 @@ class Sampled(Shape):
     #: OpenAI's bookkeeping, as ``user`` and ``metadata``: accepted, no effect
     IGNORED: ClassVar = ("prompt_cache_key", "safety_identifier")
     REFUSED: ClassVar = {
-        "n": (1, "localrun returns one choice per request (send n=1 or leave it out)"),
         "logit_bias": ({}, "logit bias is not implemented"),
         "frequency_penalty": (0, PENALTY), "presence_penalty": (0, PENALTY),
         "store": (False, "localrun keeps no record of requests")}
@@ -177,6 +210,10 @@ class Sampled(Shape):
         if self.stream_options is not None and not self.stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true",
                           "stream_options")
+        if self.n is not None and self.n > MAX_N:
+            raise invalid(f"n={self.n} asks for {self.n} replies; localrun makes at most "
+                          f"{MAX_N} per prompt in one request (each is a whole sequence of "
+                          f"the model's): send n <= {MAX_N}, or several requests", "n")
 
     def sampling(self, max_tokens: int | None = None) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -191,6 +228,16 @@ class Sampled(Shape):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class TemplateKwargs(Shape):
+    """vLLM's and SGLang's ``chat_template_kwargs``: the thinking switch alone (the chat
+    template's other variables are localrun's to set)."""
+
+    enable_thinking: bool | None = None
+
+    UNKNOWN: ClassVar = {"thinking": "send enable_thinking (localrun sets the switch each "
+                         "template names, DeepSeek-V3.1's thinking too)"}
+
+
 class ChatCompletionRequest(Sampled):
     """``POST /v1/chat/completions``."""
 
@@ -203,13 +250,31 @@ class ChatCompletionRequest(Sampled):
     logprobs: bool | None = None
     top_logprobs: Int | None = None
     reasoning_effort: str | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
+    enable_thinking: bool | None = None
+    thinking_budget: Int | None = None
 
-    REFUSED: ClassVar = {
-        **Sampled.REFUSED,
-        "logprobs": (False, LOGPROBS_LATER), "top_logprobs": (0, LOGPROBS_LATER),
-        "parallel_tool_calls": (True, "false is not enforced: localrun lets a model make "
-                                "several calls in one turn"),
-        "reasoning_effort": (None, "reasoning is not separated from the reply yet")}
+    def refuse(self) -> None:
+        super().refuse()
+        kwargs = self.chat_template_kwargs
+        switch = kwargs.enable_thinking if kwargs is not None else None
+        if switch is not None and self.enable_thinking is not None \
+                and switch != self.enable_thinking:
+            raise invalid(f"'enable_thinking' is {str(self.enable_thinking).lower()} but "
+                          f"'chat_template_kwargs.enable_thinking' is "
+                          f"{str(switch).lower()}: send one", "enable_thinking")
+
+    def thinking(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """The thinking options (``think``, ``reasoning_effort``, ``thinking_budget``) and
+        the names of the fields they came from."""
+        kwargs = self.chat_template_kwargs
+        switch = kwargs.enable_thinking if kwargs is not None else None
+        names = {"think": "chat_template_kwargs.enable_thinking"}
+        if switch is None and self.enable_thinking is not None:
+            switch, names = self.enable_thinking, {"think": "enable_thinking"}
+        out = {"think": switch, "reasoning_effort": self.reasoning_effort,
+               "thinking_budget": self.thinking_budget}
+        return {k: v for k, v in out.items() if v is not None}, names
 
     def generation(self) -> Generation:
         legacy, new = self.max_tokens, self.max_completion_tokens
@@ -225,42 +290,84 @@ class ChatCompletionRequest(Sampled):
         if self.tool_choice is not None:
             structured["tool_choice"] = self.tool_choice if isinstance(
                 self.tool_choice, str) else self.tool_choice.model_dump(exclude_none=True)
+        if self.parallel_tool_calls is not None:
+            structured["parallel_tool_calls"] = self.parallel_tool_calls
+        sampling = self.sampling(new if new is not None else legacy)
+        if self.logprobs is not None:
+            sampling["logprobs"] = self.logprobs
+        if self.top_logprobs is not None:
+            sampling["top_logprobs"] = self.top_logprobs
+        reasoning, names = self.thinking()
+        if new is not None:
+            names["max_tokens"] = "max_completion_tokens"
         return Generation(self.model, messages=[m.to_library() for m in self.messages],
-                          sampling=self.sampling(new if new is not None else legacy),
-                          structured=structured, stream=bool(self.stream)).check()
+                          sampling=sampling, structured=structured, reasoning=reasoning,
+                          stream=bool(self.stream), n=self.n or 1, names=names).check()
 
 
 class CompletionRequest(Sampled):
-    """``POST /v1/completions``."""
+    """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either (one
+    choice each, ``n`` per prompt); ``logprobs: k`` gives each token's log probability and
+    the ``k`` most likely at each position (``logprobs: 0``, the chosen tokens' alone);
+    ``echo`` puts the prompt before the reply, with its tokens' log probabilities
+    (``max_tokens: 0`` with ``echo`` scores the prompt alone)."""
 
+    max_tokens: Int | None = Field(default=None, ge=0)
     prompt: str | list[str] | list[Int] | list[list[Int]] = Field(
-        json_schema_extra=takes_only(TEXT_INPUT))
+        json_schema_extra=takes_only(PROMPTS))
     echo: bool | None = None
     best_of: Int | None = None
     suffix: str | None = None
-    logprobs: Int | None = None
+    logprobs: Int | None = Field(default=None, ge=0)
 
     REFUSED: ClassVar = {
-        **Sampled.REFUSED, "logprobs": (0, LOGPROBS_LATER),
-        "echo": (False, "the prompt is not echoed back"),
-        "best_of": (1, "localrun returns one choice per request"),
+        **Sampled.REFUSED,
+        "best_of": (1, "localrun does not rank replies: ask for n replies and pick one"),
         "suffix": ("", "fill-in-the-middle is not implemented")}
 
+    def refuse(self) -> None:
+        super().refuse()
+        if self.logprobs is not None and self.logprobs > MAX_TOP_LOGPROBS:
+            raise invalid(f"logprobs={self.logprobs}: at most {MAX_TOP_LOGPROBS} most "
+                          f"likely tokens per position (send 0 to {MAX_TOP_LOGPROBS})",
+                          "logprobs")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids; a 400 naming the empty one."""
+        value = self.prompt
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            items: list[Any] = [value]
+            where: list[str] = ["prompt"]
+        else:
+            items = list(value)
+            where = [f"prompt[{i}]" for i in range(len(items))]
+            if not items:
+                raise bad_request("'prompt' is an empty list: send a prompt (text or token "
+                                  "ids), or a list of them", "prompt")
+        for item, name in zip(items, where, strict=True):
+            if not item:
+                raise bad_request(f"'{name}' is empty: send text or token ids", name)
+        n = self.n or 1
+        if len(items) * n > MAX_CHOICES:
+            param = "prompt" if len(items) > MAX_CHOICES or n == 1 else "n"
+            raise bad_request(f"{len(items)} prompts × n={n} asks for {len(items) * n} "
+                              f"replies; localrun makes at most {MAX_CHOICES} in one request: "
+                              f"send fewer prompts per request (lm-eval: a smaller "
+                              f"batch_size)", param, code="invalid_value")
+        return items
+
     def generation(self) -> Generation:
-        return Generation(self.model, prompt=_prompt(self.prompt), sampling=self.sampling(),
-                          stream=bool(self.stream)).check()
-
-
-def _prompt(value: Any) -> str:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        value = value[0]
-    if isinstance(value, str) and value:
-        return value
-    if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
-        raise unsupported("prompt", "token arrays (send the prompt as text)")
-    if isinstance(value, list) and len(value) > 1:
-        raise unsupported("prompt", "several prompts in one request (send one per request)")
-    raise bad_request("'prompt' must be a non-empty string", "prompt")
+        prompts = self.prompts()
+        sampling = self.sampling()
+        if self.logprobs is not None:
+            sampling.update(logprobs=True, top_logprobs=self.logprobs)
+        if self.echo:
+            sampling["echo"] = True
+        whole = bool(self.stream and self.echo)  # the prompt's logprobs come at its end
+        return Generation(self.model, prompt=prompts[0],
+                          prompts=prompts if len(prompts) > 1 else None, n=self.n or 1,
+                          whole=whole, sampling=sampling, stream=bool(self.stream),
+                          names={"top_logprobs": "logprobs"}).check()
 
 
 class EmbeddingRequest(Shape):
@@ -274,232 +381,3 @@ class EmbeddingRequest(Shape):
     user: str | None = None
 
 
-# -- answers -------------------------------------------------------------------------------
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, c: Completion) -> Usage:
-        u = c.usage
-        return cls(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                   total_tokens=u.prompt_tokens + u.completion_tokens)
-
-
-class FunctionOut(BaseModel):
-    name: str | None = None
-    arguments: str
-
-
-class ToolCallOut(BaseModel):
-    index: int | None = None  # streamed deltas only
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionOut
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str | None
-    refusal: None
-    tool_calls: list[ToolCallOut] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: None
-    finish_reason: str
-
-
-class ChatCompletion(BaseModel):
-    """A whole Chat Completions answer."""
-
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallOut] | None = None
-
-
-class ChunkChoice(BaseModel):
-    index: int
-    delta: Delta
-    logprobs: None
-    finish_reason: str | None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One event of a Chat Completions stream (``data: {...}``; the last is ``[DONE]``)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-
-
-class TextChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: None
-    finish_reason: str | None
-
-
-class TextCompletion(BaseModel):
-    """A Completions answer, and one event of its stream."""
-
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[TextChoice]
-    usage: Usage | None = None
-
-
-class EmbeddingData(BaseModel):
-    object: Literal["embedding"]
-    index: int
-    embedding: list[float] | str
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingList(BaseModel):
-    object: Literal["list"]
-    data: list[EmbeddingData]
-    model: str
-    usage: EmbeddingUsage
-
-
-class ModelEntry(BaseModel):
-    """A model: loaded ones say how (``contexts``: every context a copy is loaded at)."""
-
-    model_config = ConfigDict(extra="allow")
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelEntry]
-
-
-def chat_completion(cid: str, model: str, c: Completion) -> ChatCompletion:
-    calls = [ToolCallOut(id=t.id, type="function",
-                         function=FunctionOut(name=t.name, arguments=t.arguments))
-             for t in c.tool_calls]
-    message = AssistantMessage(role="assistant", content=(c.text or None) if calls else c.text,
-                               refusal=None)
-    if calls:
-        message.tool_calls = calls
-    return ChatCompletion(id=cid, object="chat.completion", created=int(time.time()),
-                          model=model, system_fingerprint=FINGERPRINT,
-                          choices=[ChatChoice(index=0, message=message, logprobs=None,
-                                              finish_reason=FINISH[c.finish_reason])],
-                          usage=Usage.of(c))
-
-
-def text_completion(cid: str, model: str, c: Completion) -> TextCompletion:
-    return TextCompletion(id=cid, object="text_completion", created=int(time.time()),
-                          model=model, system_fingerprint=FINGERPRINT,
-                          choices=[TextChoice(index=0, text=c.text, logprobs=None,
-                                              finish_reason=FINISH[c.finish_reason])],
-                          usage=Usage.of(c))
-
-
-# -- streams -------------------------------------------------------------------------------
-
-class ChatSSE(Wire):
-    """Chat Completions' server-sent events for one choice."""
-
-    def __init__(self, cid: str, model: str, include_usage: bool) -> None:
-        self.head: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk",
-                                     "created": int(time.time()), "model": model,
-                                     "system_fingerprint": FINGERPRINT}
-        self.include_usage = include_usage
-
-    def _event(self, delta: Delta, finish: str | None = None) -> bytes:
-        chunk = ChatCompletionChunk(**self.head, choices=[ChunkChoice(
-            index=0, delta=delta, logprobs=None, finish_reason=finish)])
-        if self.include_usage:
-            chunk.usage = None
-        return sse(chunk.model_dump_json(exclude_unset=True))
-
-    def begin(self) -> Iterable[bytes]:
-        yield self._event(Delta(role="assistant", content=""))
-
-    def chunk(self, chunk: Chunk) -> Iterable[bytes]:
-        if not chunk.text and not chunk.tool_calls:
-            return
-        delta = Delta()
-        if chunk.text:
-            delta.content = chunk.text
-        if chunk.tool_calls:
-            delta.tool_calls = [ToolCallOut(**d.to_dict()) for d in chunk.tool_calls]
-        yield self._event(delta)
-
-    def done(self, completion: Completion) -> Iterable[bytes]:
-        yield self._event(Delta(), FINISH[completion.finish_reason])
-        if self.include_usage:
-            yield sse(ChatCompletionChunk(**self.head, choices=[], usage=Usage.of(
-                completion)).model_dump_json(exclude_unset=True))
-        yield b"data: [DONE]\n\n"
-
-    def error(self, error: APIError) -> bytes:
-        return sse(_json(error.openai_body()))
-
-
-class TextSSE(Wire):
-    """Completions' server-sent events for one choice."""
-
-    def __init__(self, cid: str, model: str, include_usage: bool) -> None:
-        self.head: dict[str, Any] = {"id": cid, "object": "text_completion",
-                                     "created": int(time.time()), "model": model,
-                                     "system_fingerprint": FINGERPRINT}
-        self.include_usage = include_usage
-
-    def _event(self, text: str, finish: str | None = None) -> bytes:
-        chunk = TextCompletion(**self.head, choices=[TextChoice(
-            index=0, text=text, logprobs=None, finish_reason=finish)])
-        if self.include_usage:
-            chunk.usage = None
-        return sse(chunk.model_dump_json(exclude_unset=True))
-
-    def chunk(self, chunk: Chunk) -> Iterable[bytes]:
-        if chunk.text:
-            yield self._event(chunk.text)
-
-    def done(self, completion: Completion) -> Iterable[bytes]:
-        yield self._event("", FINISH[completion.finish_reason])
-        if self.include_usage:
-            yield sse(TextCompletion(**self.head, choices=[], usage=Usage.of(
-                completion)).model_dump_json(exclude_unset=True))
-        yield b"data: [DONE]\n\n"
-
-    def error(self, error: APIError) -> bytes:
-        return sse(_json(error.openai_body()))
-
-
-def _json(data: Any) -> str:
-    import json
-
-    return json.dumps(data, ensure_ascii=False)
