@@ -135,7 +135,8 @@ def bench(path: str, runs: int, tokens: int, threads: int | None) -> dict[str, A
 
     tune_process()
     # stored responses (/v1/responses) go to a folder of this run's own
-    os.environ["LOCALRUN_HOME"] = tempfile.mkdtemp(prefix="bench-dialects-")
+    home = tempfile.TemporaryDirectory(prefix="bench-dialects-")
+    os.environ["LOCALRUN_HOME"] = home.name
     model = localrun.load(path, backend="llama.cpp", context=1024, threads=threads)
     sock = bind("127.0.0.1", 0)
     config = replace(ServerConfig(max_queue=64), port=sock.getsockname()[1])
@@ -159,6 +160,7 @@ def bench(path: str, runs: int, tokens: int, threads: int | None) -> dict[str, A
         server.should_exit = True
         thread.join(60)
         model.close()
+        home.cleanup()
     base = got[DIALECTS[0].name]
     out: dict[str, Any] = {}
     for d in DIALECTS:

@@ -450,6 +450,9 @@ def test_an_unusable_store_is_a_503_before_any_load(server_model: Any, tmp_path:
             client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
         assert e.value.status_code == 503 and e.value.body["code"] == "store_unavailable"
         assert "store: false" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError):  # a malformed one is a 400 all the same
+            client.responses.create(model=MODEL, input="Hi", tools=[
+                {**WEATHER, "parameters": {"type": "strin"}}])
         r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
         assert r.status in ("completed", "incomplete")
 

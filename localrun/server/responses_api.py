@@ -116,6 +116,7 @@ def _size(value: Any) -> int:
                                summary="Responses"))
 async def create(request: Request) -> Any:
     req = await parse(request, rq.ResponsesRequest)
+    gen = req.generation()  # a malformed request is a 400 before the store is read
     keep = req.store is not False
     continues = req.previous_response_id is not None
     store = await open_store(request) if keep or continues else None
@@ -128,7 +129,7 @@ async def create(request: Request) -> Any:
                            "not found (it was deleted, is older than the store keeps, was "
                            "sent with store: false, or belongs to another API key)",
                            param="previous_response_id", code="previous_response_not_found")
-    gen = req.generation(previous)
+        gen = req.continued(gen, previous)
     items = [rq.stored_item(i) for i in req.items()]
     turns = (previous or []) + rq.to_messages(req.items())
     size = _size(items) + _size(turns) if store is not None and keep else 0

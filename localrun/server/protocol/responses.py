@@ -34,6 +34,7 @@ item references.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag
@@ -528,18 +529,28 @@ class ResponsesRequest(Shape):
         """The library's ``reasoning_effort``, for a model that thinks."""
         return EFFORTS.get(self.reasoning.effort or "") if self.reasoning else None
 
-    def generation(self, previous: list[dict[str, Any]] | None = None) -> Generation:
-        """The library's request: ``instructions`` (never carried over from a previous
-        response), then the ``previous`` conversation, then this input."""
-        if self.input is None and previous is None:
+    def _instructions(self) -> list[dict[str, Any]]:
+        return [{"role": "system", "content": self.instructions}] if self.instructions else []
+
+    def generation(self) -> Generation:
+        """The library's request, checked before any store is read or model loads:
+        ``instructions``, then this input. A continuation adds the previous
+        conversation with :meth:`continued` (it was checked when it was stored)."""
+        continues = self.previous_response_id is not None
+        if self.input is None and not continues:
             raise bad_request("Missing required parameter 'input' (or previous_response_id)",
                               "input")
-        messages = [{"role": "system", "content": self.instructions}] \
-            if self.instructions else []
-        messages += [dict(m) for m in previous or ()] + to_messages(self.items())
-        if not messages:
+        messages = self._instructions() + to_messages(self.items())
+        if not messages and not continues:
             raise bad_request("'input' holds no message: send a string, or at least one "
                               "message or function_call_output item", "input")
-        return Generation(self.model, messages=messages, sampling=self.sampling(),
+        return Generation(self.model, messages=messages or None, sampling=self.sampling(),
                           structured=self.structured(), stream=bool(self.stream),
                           names=NAMES).check()
+
+    def continued(self, gen: Generation, previous: list[dict[str, Any]]) -> Generation:
+        """``gen`` on from ``previous``: instructions (never carried over from a previous
+        response, as in OpenAI's API), the previous conversation, then this input."""
+        messages = self._instructions() + [dict(m) for m in previous] + \
+            to_messages(self.items())
+        return replace(gen, messages=messages)
