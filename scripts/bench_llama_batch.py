@@ -177,9 +177,9 @@ def main() -> None:
 
     import localrun
     from localrun.backends.base import LoadRequest
-    from localrun.backends.llama_cpp import LlamaCppSession
-    from localrun.backends.llama_cpp_batch import LlamaCppBatcher
-    from localrun.backends.openmp import release_pool
+    from localrun.backends.llama_cpp.batcher import LlamaCppBatcher
+    from localrun.backends.llama_cpp.openmp import release_pool
+    from localrun.backends.llama_cpp.session import LlamaCppSession
 
     path = args.model
     if path is None:
@@ -231,7 +231,7 @@ def main() -> None:
                                    "wall": row["t_tg"] - row_half["t_tg"]})
             if model is not None:
                 # the engine modes decoded on this thread: its OpenMP pool goes, as
-                # localrun's own calls give theirs back (localrun/backends/openmp.py)
+                # localrun's own calls give theirs back (localrun/backends/llama_cpp/openmp.py)
                 release_pool()
                 keep("api_in_turn", n, api(model, n, 1, args.tokens))
                 keep("api", n, api(model, n, n, args.tokens))

@@ -18,7 +18,7 @@ turn 6 on the engines that prefill the last reply again (llama.cpp; ONNX back to
 ``--think SECONDS`` pauses that long between a reply and the next call (a user reading
 the reply, an agent running a tool); the default, 0, asks back to back. TTFT then leaves
 out what localrun does during the pause (ONNX Runtime GenAI settles the previous reply's
-KV rows then: localrun/backends/onnx_genai.py), as a user who paused would see it.
+KV rows then: localrun/backends/onnx/session.py), as a user who paused would see it.
 
     .venv/bin/python scripts/bench_multiturn.py                       # every CPU engine
     .venv/bin/python scripts/bench_multiturn.py --backends onnx --reply 32

@@ -194,7 +194,7 @@ def test_the_exllama_tables_come_from_the_spec() -> None:
         # its parser's kv_cache words are the spec's kind for kv_cache
         assert spec.options["kv_cache"][0] == options.KV_CACHE_CHOICES
     assert set(options.ENGINES) == {n for n, s in BACKENDS.items() if s.module.startswith(
-        "localrun.backends.exllamav")}
+        "localrun.backends.exllama.v")}
 
 
 def test_engine_modules_name_a_missing_engine_from_the_table() -> None:
@@ -212,7 +212,7 @@ def test_engine_modules_name_a_missing_engine_from_the_table() -> None:
 def test_a_broken_engine_import_names_the_engine_as_the_table_does(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from localrun.backends.base import LoadRequest
-    from localrun.backends.llama_cpp import LlamaCppSession
+    from localrun.backends.llama_cpp.session import LlamaCppSession
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
     with pytest.raises(EngineNotInstalledError) as e:

@@ -261,7 +261,7 @@ def onnx_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
 def test_onnx_device_index_goes_to_the_provider_options(
         onnx_calls: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch) -> None:
     import localrun.backends
-    from localrun.backends import onnx_genai
+    from localrun.backends.onnx import session as onnx_genai
 
     path = test_model("onnx-int4")
     # as with onnxruntime-genai-cuda installed; this CPU engine then fails to create the
@@ -277,7 +277,7 @@ def test_onnx_device_index_goes_to_the_provider_options(
 @requires_onnx
 def test_onnx_cuda_on_the_cpu_build_is_refused_with_the_install_command(
         onnx_calls: list[tuple[Any, ...]]) -> None:
-    from localrun.backends import onnx_genai
+    from localrun.backends.onnx import session as onnx_genai
 
     assert installed_build("onnx") is None  # this machine has the CPU build
     path = test_model("onnx-int4")
@@ -291,7 +291,7 @@ def test_onnx_cuda_on_the_cpu_build_is_refused_with_the_install_command(
 
 @requires_onnx
 def test_onnx_reports_the_device_genai_config_picks(tmp_path: Path) -> None:
-    from localrun.backends import onnx_genai
+    from localrun.backends.onnx import session as onnx_genai
 
     src = test_model("onnx-int4")
     with localrun.load(str(src), backend="onnx", context=256) as m:
@@ -315,7 +315,7 @@ def test_onnx_reports_the_device_genai_config_picks(tmp_path: Path) -> None:
 
 
 def test_npu_lengths_fill_the_context() -> None:
-    from localrun.backends.openvino_genai import npu_lengths
+    from localrun.backends.openvino.session import npu_lengths
 
     assert npu_lengths(8192, {}) == (7168, 1024)
     assert npu_lengths(4096, {}) == (3072, 1024)
@@ -376,7 +376,7 @@ def test_npu_gets_prompt_and_response_lengths_from_the_context(
 
 @requires_openvino
 def test_openvino_device_names(ov_pipelines: list[tuple[str, str, dict[str, Any]]]) -> None:
-    from localrun.backends.openvino_genai import ov_device
+    from localrun.backends.openvino.session import ov_device
 
     assert [ov_device(d) for d in (None, "cpu", "gpu", "GPU.1", "gpu:1", "npu", "AUTO:GPU,CPU")
             ] == ["CPU", "CPU", "GPU", "GPU.1", "GPU.1", "NPU", "AUTO:GPU,CPU"]
@@ -425,7 +425,7 @@ def test_engines_refuse_unknown_options_before_loading(backend: str, fixture: st
 
 
 def test_llama_kv_cache_choices_are_the_types_it_maps() -> None:
-    from localrun.backends.llama_cpp import KV_TYPES
+    from localrun.backends.llama_cpp.session import KV_TYPES
 
     assert set(ENGINE_OPTIONS["llama.cpp"]["kv_cache"][0]) == set(KV_TYPES)
 

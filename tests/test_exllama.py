@@ -29,8 +29,6 @@ from typing import Any
 import pytest
 
 import localrun
-from localrun.backends import exllamav2 as v2
-from localrun.backends import exllamav3 as v3
 from localrun.backends import hf_config as hf
 from localrun.backends.base import GenerationStats, LoadRequest, Prompt
 from localrun.backends.exllama import errors as ex_errors
@@ -39,6 +37,7 @@ from localrun.backends.exllama import jobs as ex_jobs
 from localrun.backends.exllama import options as ex_options
 from localrun.backends.exllama import probe as ex_probe
 from localrun.backends.exllama import session as ex_session
+from localrun.backends.exllama import v2, v3
 from localrun.backends.exllama import vram as ex_vram
 from localrun.errors import (
     EngineNotInstalledError,

@@ -399,7 +399,7 @@ def test_generate_j4_runs_four_at_once_on_openvino(tmp_path: Path,
     in this process (the CLI app itself) so the engine's step reports can be read."""
     from typer.testing import CliRunner
 
-    from localrun.backends import openvino_batch
+    from localrun.backends.openvino import batcher as openvino_batch
     from localrun.cli import app
     from tests.models import test_model
     from tests.test_batch import StepSpy

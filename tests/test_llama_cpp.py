@@ -256,7 +256,7 @@ class LlamaRecorder:
 def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     import llama_cpp
 
-    from localrun.backends import llama_cpp as backend
+    from localrun.backends.llama_cpp import session as backend
 
     LlamaRecorder.calls = []
     monkeypatch.setattr(llama_cpp, "Llama", LlamaRecorder)
@@ -288,7 +288,7 @@ def test_several_gpus_split_layers_by_free_vram(default_gguf: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     import llama_cpp
 
-    from localrun.backends import llama_cpp as backend
+    from localrun.backends.llama_cpp import session as backend
 
     monkeypatch.setattr(backend, "free_vram", lambda kind, indices: [6 * 2**30, 2 * 2**30])
     with localrun.load(str(default_gguf), device="cuda:2,0", context=256):
@@ -301,7 +301,7 @@ def test_several_gpus_split_layers_by_free_vram(default_gguf: Path,
 def test_model_larger_than_free_vram_is_partly_offloaded(
         default_gguf: Path, recorded: list[dict[str, Any]],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from localrun.backends import llama_cpp as backend
+    from localrun.backends.llama_cpp import session as backend
     from localrun.memory import overhead_bytes
 
     size = default_gguf.stat().st_size
@@ -353,7 +353,7 @@ def test_flash_attention_follows_llama_server(default_gguf: Path,
 
 def test_auto_flash_attention_on_a_tristate_binding(default_gguf: Path) -> None:
     """A llama-cpp-python that takes flash_attn_type gets llama.cpp's own AUTO."""
-    from localrun.backends.llama_cpp import placement
+    from localrun.backends.llama_cpp.session import placement
     from localrun.formats.gguf import read_gguf
 
     gguf = read_gguf(default_gguf)

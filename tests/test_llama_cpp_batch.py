@@ -1,4 +1,4 @@
-"""llama.cpp's Batcher (localrun.backends.llama_cpp_batch) on the real engine and the
+"""llama.cpp's Batcher (localrun.backends.llama_cpp.batcher) on the real engine and the
 SmolLM2 Q8_0 fixture: several sequences in one context give each one's single-path
 tokens, join and leave between steps, keep their KV cells for the next prompts, and
 free the context on close."""
@@ -40,7 +40,7 @@ def sampling(**kw: Any) -> ResolvedSampling:
 
 @pytest.fixture(scope="module")
 def session() -> Iterator[Any]:
-    from localrun.backends.llama_cpp import LlamaCppSession
+    from localrun.backends.llama_cpp.session import LlamaCppSession
 
     path = test_model("gguf-q8_0")
     # on the CPU: the exactness below is of llama.cpp's CPU kernels (module docstring)
@@ -54,7 +54,7 @@ def session() -> Iterator[Any]:
 def batcher(session: Any) -> Iterator[Any]:
     """Four slots, every step's tokens in one decode (whatever calibrate() would say on
     this machine): the batched path is the one under test."""
-    from localrun.backends.llama_cpp_batch import LlamaCppBatcher
+    from localrun.backends.llama_cpp.batcher import LlamaCppBatcher
 
     b = LlamaCppBatcher(session, 4, CONTEXT, together=2)
     yield b
@@ -128,7 +128,7 @@ def test_greedy_batch_equals_single_path(session: Any, batcher: Any) -> None:
 def test_a_decode_each_gives_the_same_tokens(session: Any) -> None:
     """Below ``together`` each sequence gets a decode of its own in a step (calibrate()
     picks that where it is faster): the same tokens, the same figures."""
-    from localrun.backends.llama_cpp_batch import LlamaCppBatcher
+    from localrun.backends.llama_cpp.batcher import LlamaCppBatcher
 
     prompts = [chat(session, q) for q in QUESTIONS[:3]]
     s = sampling(max_tokens=12, temperature=0.7, seed=9)
@@ -148,7 +148,7 @@ def test_a_decode_each_gives_the_same_tokens(session: Any) -> None:
 
 
 def test_calibrate_picks_a_threshold(session: Any) -> None:
-    from localrun.backends.llama_cpp_batch import LlamaCppBatcher
+    from localrun.backends.llama_cpp.batcher import LlamaCppBatcher
 
     b = LlamaCppBatcher(session, 4, CONTEXT)
     try:
@@ -335,7 +335,7 @@ def test_prompt_logits_bit_identical_to_the_single_path(session: Any, batcher: A
 
 
 def test_reusable_prefix() -> None:
-    from localrun.backends.llama_cpp_reuse import reusable_prefix
+    from localrun.backends.llama_cpp.reuse import reusable_prefix
 
     def keep(n: int, common: int, cached: int | None = None) -> int:
         return reusable_prefix(n, common, 512, n if cached is None else cached)
@@ -422,7 +422,7 @@ def test_a_grammar_failure_ends_that_sequence_alone(session: Any, batcher: Any) 
 
 
 def test_close_frees_the_context(session: Any) -> None:
-    from localrun.backends.llama_cpp_batch import LlamaCppBatcher
+    from localrun.backends.llama_cpp.batcher import LlamaCppBatcher
 
     def rss() -> int:
         with open("/proc/self/statm") as f:
@@ -444,7 +444,7 @@ def test_close_frees_the_context(session: Any) -> None:
 
 
 def test_session_batcher_made_once_and_closed_with_it() -> None:
-    from localrun.backends.llama_cpp import LlamaCppSession
+    from localrun.backends.llama_cpp.session import LlamaCppSession
 
     s = LlamaCppSession(LoadRequest(path=str(test_model("gguf-q8_0")), format="gguf",
                                     context=512))
@@ -463,7 +463,7 @@ def test_load_max_concurrency_builds_that_many_streams() -> None:
     context (where memory would allow 8), and Model reports 3 and their bytes; 1 builds
     no batch context at all (the model runs one sequence at a time)."""
     import localrun
-    from localrun.backends.llama_cpp_batch import kv_bytes_per_token
+    from localrun.backends.llama_cpp.batcher import kv_bytes_per_token
 
     path = str(test_model("gguf-q8_0"))
     with localrun.load(path, backend="llama.cpp", context=512, device="cpu",
@@ -509,7 +509,7 @@ def test_a_limit_after_the_batcher_is_built_caps_what_runs_at_once() -> None:
 
 
 def test_capacity_fits_the_budget() -> None:
-    from localrun.backends.llama_cpp_batch import KV_BUDGET, MAX_CAPACITY, batch_capacity
+    from localrun.backends.llama_cpp.batcher import KV_BUDGET, MAX_CAPACITY, batch_capacity
 
     assert batch_capacity(1 << 20, None) == MAX_CAPACITY
     assert batch_capacity(KV_BUDGET // 3, None) == 3
@@ -519,7 +519,7 @@ def test_capacity_fits_the_budget() -> None:
 
 
 def test_common_prefix() -> None:
-    from localrun.backends.llama_cpp_batch import common_prefix
+    from localrun.backends.llama_cpp.batcher import common_prefix
 
     a = list(range(1000))
     assert common_prefix(a, a) == 1000
@@ -534,7 +534,7 @@ def test_model_calls_from_threads_run_together() -> None:
     import threading
 
     import localrun
-    from localrun.backends.llama_cpp_batch import LlamaCppBatcher
+    from localrun.backends.llama_cpp.batcher import LlamaCppBatcher
 
     with localrun.load(str(test_model("gguf-q8_0")), backend="llama.cpp",
                        context=CONTEXT, device="cpu") as model:
@@ -561,7 +561,7 @@ def test_batch_slots_say_what_the_batch_context_will_hold_before_it_is_built() -
     caller (``localrun serve --max-memory``) sizes it first; once built, None (its
     capacity and reserved bytes say it then)."""
     import localrun
-    from localrun.backends.llama_cpp_batch import kv_bytes_per_token
+    from localrun.backends.llama_cpp.batcher import kv_bytes_per_token
 
     path = str(test_model("gguf-q8_0"))
     with localrun.load(path, backend="llama.cpp", context=512, device="cpu",

@@ -2,7 +2,7 @@
 prompt for the next call (issue 15) without changing a reply: every reply, and the
 logits its first token is drawn from, are those of the same prompt in a clean context.
 On the real engine and the SmolLM2 Q8_0 fixture, on the CPU (whose kernels are not
-batch-invariant: localrun.backends.llama_cpp_reuse.reusable_prefix says what that keeps).
+batch-invariant: localrun.backends.llama_cpp.reuse.reusable_prefix says what that keeps).
 
 Also: once the session's batcher is built, a lone sequence runs through it, with the
 single path's reply (``batch_alone``)."""
@@ -35,7 +35,7 @@ def sampling(max_tokens: int = 24) -> ResolvedSampling:
 
 
 def load() -> Any:
-    from localrun.backends.llama_cpp import LlamaCppSession
+    from localrun.backends.llama_cpp.session import LlamaCppSession
 
     # one thread: on a busy 2-core machine two wait on each other at every token
     return LlamaCppSession(LoadRequest(path=str(test_model("gguf-q8_0")), format="gguf",
@@ -78,7 +78,7 @@ def run(session: Any, prompt: Prompt, max_tokens: int = 24, *, fresh: bool = Fal
 
 def expected_prefill(before: Prompt, prompt: Prompt) -> int:
     """Prompt tokens fed after ``before`` ran: all but the cells reusable_prefix keeps."""
-    from localrun.backends.llama_cpp_reuse import common_prefix, reusable_prefix
+    from localrun.backends.llama_cpp.reuse import common_prefix, reusable_prefix
 
     n = len(prompt.tokens)
     held = len(before.tokens)

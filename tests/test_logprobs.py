@@ -293,7 +293,7 @@ def raw_llama(llama: Any) -> Any:
     as the session has it) that keeps every position's logits."""
     import llama_cpp
 
-    from localrun.backends.llama_cpp import _engine_constants
+    from localrun.backends.llama_cpp.session import _engine_constants
 
     kw = _engine_constants(llama_cpp, llama._session.placement.kwargs)
     llm = llama_cpp.Llama(llama.info.path, n_ctx=CONTEXT, logits_all=True, verbose=False,

@@ -1,4 +1,4 @@
-"""MLX through mlx-lm's BatchGenerator (localrun/backends/mlx_batch.py, issue 15).
+"""MLX through mlx-lm's BatchGenerator (localrun/backends/mlx/batcher.py, issue 15).
 
 Sequences batched together must each give what they give alone through the session's
 own ``generate()``: greedy, seeded sampling (each sequence draws from its own key chain,
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from localrun.backends.base import GenerationStats, LoadRequest, Prompt
-from localrun.backends.mlx_batch import MLXBatcher
+from localrun.backends.mlx.batcher import MLXBatcher
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
 from localrun.types import CancelToken
@@ -38,7 +38,7 @@ def sampling(max_tokens: int = N, **kw: Any) -> ResolvedSampling:
 
 @pytest.fixture(scope="module")
 def session() -> Iterator[Any]:
-    from localrun.backends.mlx import MLXBackend
+    from localrun.backends.mlx.session import MLXBackend
 
     s = MLXBackend().load(LoadRequest(str(test_model("mlx-4bit")), "mlx", context=1024))
     yield s
@@ -47,8 +47,8 @@ def session() -> Iterator[Any]:
 
 def new_batcher(session: Any, capacity: int = 8) -> MLXBatcher:
     """A batcher over the session's engine, with a prefix store of its own."""
-    from localrun.backends.mlx import keep_first_space
-    from localrun.backends.mlx_batch import PrefixCache
+    from localrun.backends.mlx.batcher import PrefixCache
+    from localrun.backends.mlx.session import keep_first_space
 
     return MLXBatcher(session._worker, session._model, session._eos,
                       lambda: keep_first_space(session._tok.detokenizer),
@@ -217,7 +217,7 @@ def test_model_batch_runs_through_the_batcher_with_stop_strings(session: Any) ->
     scheduler steps it on its own thread), and each reply is the one the item gets alone,
     a stop string (the driver's) cutting it where it would alone."""
     import localrun
-    from localrun.backends.mlx_batch import MLXBatcher
+    from localrun.backends.mlx.batcher import MLXBatcher
 
     questions = ["Name a fruit.", "Name a colour.", "Name a river."]
     with localrun.load(str(test_model("mlx-4bit")), backend="mlx", context=1024) as model:

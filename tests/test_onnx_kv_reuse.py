@@ -47,7 +47,7 @@ def path() -> str:
 @pytest.fixture(scope="module")
 def session(path: str) -> Iterator[Any]:
     from localrun.backends.base import LoadRequest
-    from localrun.backends.onnx_genai import BACKEND
+    from localrun.backends.onnx.session import BACKEND
 
     s = BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT))
     yield s
@@ -201,7 +201,7 @@ def test_seeded_sampling_is_the_same_on_a_reused_and_a_fresh_generator(path: str
     """Each call samples with its own options and seed, kept Generator or not; the
     filters and the penalty on (localrun samples every token from the logits)."""
     from localrun.backends.base import LoadRequest
-    from localrun.backends.onnx_genai import BACKEND
+    from localrun.backends.onnx.session import BACKEND
 
     prompt = chat(session, [{"role": "system", "content": SYSTEM},
                             {"role": "user", "content": "Write a short poem about rain."}])
@@ -272,7 +272,7 @@ def test_a_stream_left_open_fails_once_a_newer_call_took_the_generator(session: 
 
 def test_close_frees_the_kept_generator(path: str) -> None:
     from localrun.backends.base import LoadRequest
-    from localrun.backends.onnx_genai import BACKEND
+    from localrun.backends.onnx.session import BACKEND
 
     s = BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT))
     run(s, Prompt(long_text(s, 20)), sampling(4))
@@ -287,7 +287,7 @@ def test_close_frees_the_kept_generator(path: str) -> None:
 
 def load(path: str) -> Any:
     from localrun.backends.base import LoadRequest
-    from localrun.backends.onnx_genai import BACKEND
+    from localrun.backends.onnx.session import BACKEND
 
     return BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT))
 
@@ -337,7 +337,7 @@ def test_settled_reply_rows_are_reused_and_the_replies_stay_fresh(path: str,
 
 def slow_settle(monkeypatch: pytest.MonkeyPatch, s: Any) -> None:
     """Settle at once, in pieces of 2 rows: a 240-token reply takes ~120 pieces."""
-    from localrun.backends import onnx_genai
+    from localrun.backends.onnx import session as onnx_genai
 
     monkeypatch.setattr(onnx_genai, "SETTLE_FIRST_ROWS", 2)
     monkeypatch.setattr(onnx_genai, "SETTLE_MIN_ROWS", 2)
@@ -493,7 +493,7 @@ def test_the_penalty_covers_the_prompt_and_the_reply() -> None:
 def test_reusable_rows() -> None:
     """The rule itself: common prefix less one; a one-row last tile only where a fresh
     prefill has one."""
-    from localrun.backends.onnx_genai import reusable
+    from localrun.backends.onnx.session import reusable
 
     assert reusable([], [1, 2, 3]) == 0
     assert reusable([1, 2, 3], [1, 2, 3]) == 1  # the same prompt: 2 rows run (not 1)
@@ -513,7 +513,7 @@ def test_the_settle_option_turns_settling_off(path: str) -> None:
     import time
 
     from localrun.backends.base import LoadRequest
-    from localrun.backends.onnx_genai import BACKEND, SETTLE_DELAY
+    from localrun.backends.onnx.session import BACKEND, SETTLE_DELAY
     from localrun.errors import InvalidOptionError
 
     s = BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT, options={"SETTLE": False}))

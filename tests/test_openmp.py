@@ -1,4 +1,4 @@
-"""llama.cpp's OpenMP worker pools (localrun/backends/openmp.py): a thread that is done
+"""llama.cpp's OpenMP worker pools (localrun/backends/llama_cpp/openmp.py): a thread that is done
 with llama.cpp keeps none, so that the driver's engine thread's pool is the only one
 and libgomp keeps spinning at its barriers (with more pool threads than CPUs it sleeps
 at each of a decode step's hundreds of barriers: 4 sequences decoded together fell from
@@ -33,7 +33,7 @@ def _on_a_live_thread(work: Callable[[], Any]) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def two_threads(default_gguf: Any) -> Any:
     import localrun
-    from localrun.backends.openmp import _mapped_libgomp
+    from localrun.backends.llama_cpp.openmp import _mapped_libgomp
 
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("counts threads through /proc (Linux)")
@@ -63,7 +63,7 @@ def test_building_the_batcher_leaves_no_openmp_workers_on_its_thread(two_threads
 
 @requires_llama
 def test_release_pool_is_harmless_without_a_pool() -> None:
-    from localrun.backends.openmp import release_pool
+    from localrun.backends.llama_cpp.openmp import release_pool
 
     release_pool()  # nothing decoded on this thread: no pool to give back
     release_pool()

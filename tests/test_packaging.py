@@ -55,7 +55,7 @@ PROSE = {"a", "an", "and", "as", "command", "commands", "etc", "first", "for", "
          "if", "in", "into", "is", "it", "line", "of", "on", "once", "or", "then", "the",
          "to", "when", "with"}
 #: Distributions installed by hand, outside localrun's environment, with the reason.
-ELSEWHERE = {"vllm": "vLLM's own environment (localrun/backends/vllm_env.py)"}
+ELSEWHERE = {"vllm": "vLLM's own environment (localrun/backends/vllm/env.py)"}
 
 
 def normalize(name: str) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 import localrun
-from localrun.backends.remote import normalize_base_url, request_body
+from localrun.backends.remote.session import normalize_base_url, request_body
 from localrun.errors import (
     ContextOverflowError,
     LocalrunError,
@@ -196,7 +196,7 @@ def test_cancel_closes_the_connection() -> None:
 
 
 def test_request_body_leaves_neutral_extras_out() -> None:
-    from localrun.backends.remote import RemotePrompt, ServerTokens
+    from localrun.backends.remote.session import RemotePrompt, ServerTokens
     from localrun.sampling import ResolvedSampling
 
     s = ResolvedSampling(max_tokens=5, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,

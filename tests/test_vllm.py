@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import localrun
-from localrun.backends.vllm_env import find_vllm
+from localrun.backends.vllm.env import find_vllm
 from localrun.errors import (
     ConstrainedDecodingUnavailableError,
     EngineNotInstalledError,
@@ -168,7 +168,7 @@ def test_startup_timeout_stops_it(fake_vllm: Path, tmp_path: Path,
 def test_progress_while_waiting(fake_vllm: Path, monkeypatch: pytest.MonkeyPatch,
                                 hf_model: str) -> None:
     from localrun.backends.base import LoadRequest
-    from localrun.backends.vllm import Startup, VllmSession
+    from localrun.backends.vllm.session import Startup, VllmSession
 
     monkeypatch.setenv("FAKE_VLLM_DELAY", "2.5")
     seen: list[Startup] = []
@@ -199,7 +199,7 @@ def test_startup_progress_reaches_the_listener(fake_vllm: Path,
                                                hf_model: str) -> None:
     """localrun.load has no progress parameter for vLLM: startup_progress() is how a
     caller (the CLI) hears about the start."""
-    from localrun.backends.vllm import Startup, startup_progress
+    from localrun.backends.vllm.session import Startup, startup_progress
 
     monkeypatch.setenv("FAKE_VLLM_DELAY", "2")
     seen: list[Startup] = []
@@ -215,7 +215,7 @@ def test_tool_call_parser_from_the_models_template(tmp_path: Path, hf_model: str
     "auto" works; SmolLM2's template takes no tools: hermes, for forced calls only."""
     import json
 
-    from localrun.backends.vllm import tool_flags
+    from localrun.backends.vllm.session import tool_flags
 
     qwen = tmp_path / "qwen"
     qwen.mkdir()
@@ -294,7 +294,7 @@ def test_ctrl_c_in_the_parent_stops_vllm(fake_vllm: Path, tmp_path: Path,
 
 
 def test_planned_gpus_become_tensor_parallel_and_visible_devices() -> None:
-    from localrun.backends.vllm import gpu_indices, serve_args
+    from localrun.backends.vllm.session import gpu_indices, serve_args
 
     assert gpu_indices("cuda:0,1,2,3") == [0, 1, 2, 3]
     assert gpu_indices("cpu") == [] and gpu_indices(None) == []

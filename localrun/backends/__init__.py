@@ -69,7 +69,7 @@ def engine_version(name: str) -> str | None:
     """
     spec = BACKENDS[canonical_backend(name)]
     if spec.home == "own-env":  # vLLM, the one engine with an environment of its own
-        from localrun.backends.vllm_env import vllm_version
+        from localrun.backends.vllm.env import vllm_version
 
         return vllm_version()
     versions = []
@@ -113,7 +113,7 @@ def install_hint(name: str, device: str = "cpu") -> str:
     itself comes from :func:`localrun.install.pip_install` (a clone or a wheel)."""
     spec = BACKENDS[canonical_backend(name)]
     if spec.home == "own-env":
-        from localrun.backends.vllm_env import INSTALL_HINT
+        from localrun.backends.vllm.env import INSTALL_HINT
 
         return INSTALL_HINT
     if spec.extra is None:

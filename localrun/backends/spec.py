@@ -97,7 +97,8 @@ Q4_K_M_BPW = 4.85
 BACKENDS: dict[str, BackendSpec] = {s.name: s for s in (
     BackendSpec(
         name="llama.cpp", title="llama.cpp (llama-cpp-python)",
-        module="localrun.backends.llama_cpp", dists=("llama-cpp-python",), extra="llama-cpp",
+        module="localrun.backends.llama_cpp.session", dists=("llama-cpp-python",),
+        extra="llama-cpp",
         home="here", formats=("gguf",), quant="Q4_K_M", target_bpw=Q4_K_M_BPW,
         convert="convert_hf_to_gguf.py MODEL_DIR --outtype q8_0 (from llama.cpp)",
         # The ggml CUDA backend's oldest default target is sm 5.0 (Ollama also needs 5.0).
@@ -122,13 +123,13 @@ BACKENDS: dict[str, BackendSpec] = {s.name: s for s in (
         aliases=("llama-cpp", "llamacpp", "llama_cpp", "llama-cpp-python", "gguf"),
         builds=()),
     BackendSpec(
-        name="mlx", title="MLX (mlx-lm)", module="localrun.backends.mlx",
+        name="mlx", title="MLX (mlx-lm)", module="localrun.backends.mlx.session",
         dists=("mlx-lm", "mlx"), extra="mlx", home="here", formats=("mlx",), quant="4bit",
         target_bpw=4.0, convert="mlx_lm.convert --hf-path MODEL -q",
         min_compute=None,  # Metal or the CPU
         options={}, aliases=("mlx-lm", "mlx_lm"), builds=()),
     BackendSpec(
-        name="exllamav2", title="ExLlamaV2", module="localrun.backends.exllamav2",
+        name="exllamav2", title="ExLlamaV2", module="localrun.backends.exllama.v2",
         dists=("exllamav2",), extra="exllamav2", home="here", formats=("exl2",),
         # These engines keep every weight on the GPU, whose memory should be used: the
         # Hub picks the largest bpw that fits; a plan without a file names 4.0bpw.
@@ -147,7 +148,7 @@ BACKENDS: dict[str, BackendSpec] = {s.name: s for s in (
         },
         aliases=("exl2", "exllama"), builds=()),
     BackendSpec(
-        name="exllamav3", title="ExLlamaV3", module="localrun.backends.exllamav3",
+        name="exllamav3", title="ExLlamaV3", module="localrun.backends.exllama.v3",
         dists=("exllamav3",), extra="exllamav3", home="here", formats=("exl3",),
         quant="4.0bpw", target_bpw=math.inf,
         convert="python exllamav3/convert.py -i MODEL_DIR -o OUT -w WORK -b 4.0",
@@ -161,7 +162,7 @@ BACKENDS: dict[str, BackendSpec] = {s.name: s for s in (
         },
         aliases=("exl3",), builds=()),
     BackendSpec(
-        name="openvino", title="OpenVINO GenAI", module="localrun.backends.openvino_genai",
+        name="openvino", title="OpenVINO GenAI", module="localrun.backends.openvino.session",
         dists=("openvino-genai",), extra="openvino", home="here", formats=("openvino",),
         quant="int4", target_bpw=4.0,
         convert="optimum-cli export openvino --model MODEL --weight-format int4 OUT",
@@ -189,7 +190,7 @@ BACKENDS: dict[str, BackendSpec] = {s.name: s for s in (
         },
         aliases=("openvino-genai", "openvino_genai", "ov"), builds=()),
     BackendSpec(
-        name="onnx", title="ONNX Runtime GenAI", module="localrun.backends.onnx_genai",
+        name="onnx", title="ONNX Runtime GenAI", module="localrun.backends.onnx.session",
         dists=("onnxruntime-genai",), extra="onnx", home="here", formats=("onnx",),
         quant="int4", target_bpw=4.0,
         convert="python -m onnxruntime_genai.models.builder -i MODEL_DIR -o OUT -p int4 "
@@ -205,9 +206,9 @@ BACKENDS: dict[str, BackendSpec] = {s.name: s for s in (
                 Build("onnxruntime-genai-directml", "dml", "onnx-directml"))),
     # vLLM lives in its own environment (it pins torch): localrun runs `vllm serve` from
     # it and speaks HTTP, so only the HTTP client is needed here; whether a vLLM is there
-    # is asked of localrun.backends.vllm_env, never by importing vllm.
+    # is asked of localrun.backends.vllm.env, never by importing vllm.
     BackendSpec(
-        name="vllm", title="vLLM", module="localrun.backends.vllm", dists=("httpx2",),
+        name="vllm", title="vLLM", module="localrun.backends.vllm.session", dists=("httpx2",),
         extra=None, home="own-env",
         formats=("hf", "awq", "gptq", "fp8", "compressed-tensors"),
         quant="bf16", target_bpw=16.0,
@@ -238,7 +239,7 @@ BACKENDS: dict[str, BackendSpec] = {s.name: s for s in (
     # An OpenAI-compatible server elsewhere (vLLM, SGLang, localrun serve).
     BackendSpec(
         name="remote", title="remote OpenAI-compatible server",
-        module="localrun.backends.remote", dists=("httpx2",), extra=None,
+        module="localrun.backends.remote.session", dists=("httpx2",), extra=None,
         home="nowhere", formats=("remote",), quant=None, target_bpw=None,
         convert="none: the server has the model", min_compute=None,
         options={

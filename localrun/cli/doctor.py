@@ -128,7 +128,7 @@ def _engines(console: Console, installed: dict[str, str]) -> None:
 
 def _vllm(console: Console) -> None:
     """vLLM lives in an environment of its own: say which one localrun found, and how."""
-    from localrun.backends.vllm_env import INSTALL_HINT, find_vllm
+    from localrun.backends.vllm.env import INSTALL_HINT, find_vllm
 
     env = find_vllm()
     if env is None:

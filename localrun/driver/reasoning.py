@@ -52,7 +52,7 @@ def chat_setup(session: Session, template: str | None = None,
     conversation) or the model's own; the reasoning format that template speaks, else
     the one the catalog names for the model (``reasoning``; not for a caller's
     template, which says all there is)."""
-    from localrun.backends.remote_tools import ENVELOPE_TEMPLATE
+    from localrun.backends.remote.tools import ENVELOPE_TEMPLATE
     from localrun.reasoning import by_name, detect
 
     source = template if template is not None else session.chat_template

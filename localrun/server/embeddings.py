@@ -133,7 +133,7 @@ class LlamaEmbedder(Embedder):
         return len(self._llm.tokenize(text.encode("utf-8")))
 
     def _embed(self, texts: list[str]) -> list[list[float]]:
-        from localrun.backends.openmp import release_pool
+        from localrun.backends.llama_cpp.openmp import release_pool
 
         try:
             out: Any = self._llm.embed(texts, normalize=True, truncate=True)

@@ -19,7 +19,7 @@ a job; nothing here imports another on import of the package:
   ``JobBatcher`` is the session's Batcher;
 - :mod:`.session`: :class:`~.session.ExLlamaSession`, both sessions but for the
   engine-specific loading and sampler code, which stays in
-  :mod:`localrun.backends.exllamav2` and :mod:`localrun.backends.exllamav3`.
+  :mod:`localrun.backends.exllama.v2` and :mod:`localrun.backends.exllama.v3`.
 
 How localrun's sampling options map onto the engines:
 

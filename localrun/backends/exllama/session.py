@@ -1,6 +1,6 @@
 """One session class for both ExLlamas: the load recipe's common steps, encoding, jobs
-and closing. An engine's session (:mod:`localrun.backends.exllamav2`,
-:mod:`localrun.backends.exllamav3`) supplies only what differs: importing the engine,
+and closing. An engine's session (:mod:`localrun.backends.exllama.v2`,
+:mod:`localrun.backends.exllama.v3`) supplies only what differs: importing the engine,
 loading the model, cache, tokenizer and generator (:meth:`ExLlamaSession._load`), the
 sampler and grammar filter of a job, and closing its generator."""
 

@@ -24,7 +24,7 @@ from localrun.errors import LocalrunError
 from localrun.structured.constraint import Constraint
 
 ENVELOPE_TEMPLATE = (
-    "{#- localrun's envelope for a server (backends/remote_tools.py): the server renders "
+    "{#- localrun's envelope for a server (backends/remote/tools.py): the server renders "
     "the model's own template with the tools and parses the calls, which come back as "
     "<tool_call> blocks -#}"
     "{{ {'messages': messages, 'tools': tools if tools is defined else none} | tojson }}")

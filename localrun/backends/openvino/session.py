@@ -229,7 +229,7 @@ class OpenVINOSession(Session):
         self._pipe: Any
         try:
             if paged:
-                from localrun.backends.openvino_batch import open_pipeline
+                from localrun.backends.openvino.batcher import open_pipeline
 
                 # the CPU plugin refuses ATTENTION_BACKEND: it is LLMPipeline's
                 self._pipe = open_pipeline(str(path), device, {
@@ -254,7 +254,7 @@ class OpenVINOSession(Session):
             eos.add(engine_cfg.eos_token_id)
         self._eos = frozenset(eos)
         if paged:
-            from localrun.backends import openvino_batch
+            from localrun.backends.openvino import batcher as openvino_batch
 
             self._batcher = openvino_batch.ContinuousBatcher(
                 self._pipe, eos=self._eos, decode_many=self._tok.decode, config=self._config)
@@ -379,7 +379,7 @@ class OpenVINOSession(Session):
         # Detokenize on the engine's thread, between tokens: the CPU plugin's results
         # depend on what else runs in the process, so decoding concurrently with
         # inference made seeded samples differ from run to run.
-        from localrun.backends.openvino_batch import Detokenizer, TextWindow
+        from localrun.backends.openvino.batcher import Detokenizer, TextWindow
 
         detok, window = Detokenizer(self._tok.decode), TextWindow()
         running, stop, cancelled = (og.StreamingStatus.RUNNING, og.StreamingStatus.STOP,
@@ -442,7 +442,7 @@ def cpu_kv_precision(props: dict[str, Any], paged: bool) -> str:
     bf16: AVX-512 BF16, AMX), so it gets the compute precision, which keeps keys and
     values as computed.
     """
-    from localrun.backends.openvino_batch import cpu_precision
+    from localrun.backends.openvino.batcher import cpu_precision
 
     given = props.get("KV_CACHE_PRECISION")
     if not paged:

@@ -1,8 +1,8 @@
 """vLLM as a managed child process: ``vllm serve`` from its own environment, spoken to
-over the OpenAI API by :mod:`localrun.backends.remote`.
+over the OpenAI API by :mod:`localrun.backends.remote.session`.
 
 vLLM pins torch and transformers, so it never shares localrun's environment
-(:mod:`localrun.backends.vllm_env` finds it). The server runs under a small watchdog
+(:mod:`localrun.backends.vllm.env` finds it). The server runs under a small watchdog
 process that leads its own process group and holds a pipe from us: when we close the
 session, exit, are interrupted, or die outright (even SIGKILL), the pipe closes and the
 watchdog ends the whole group (vLLM and the engine-core workers it forks), SIGTERM and
@@ -41,8 +41,8 @@ import httpx2
 
 from localrun.backends import not_installed
 from localrun.backends.base import LoadRequest, Session, check_options
-from localrun.backends.remote import OpenAIClient, RemoteSession
-from localrun.backends.vllm_env import INSTALL_HINT, VllmEnv, find_vllm
+from localrun.backends.remote.session import OpenAIClient, RemoteSession
+from localrun.backends.vllm.env import INSTALL_HINT, VllmEnv, find_vllm
 from localrun.errors import (
     ConstrainedDecodingUnavailableError,
     VllmStartError,

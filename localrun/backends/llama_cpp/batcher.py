@@ -1,7 +1,7 @@
 """Many llama.cpp sequences decoded together in one context (continuous batching), and the
 KV cells they leave behind kept for the next calls (prefix reuse): the
 :class:`~localrun.backends.base.Batcher` of the llama.cpp session
-(:mod:`localrun.backends.llama_cpp`), on llama-cpp-python's low-level API.
+(:mod:`localrun.backends.llama_cpp.session`), on llama-cpp-python's low-level API.
 
 **One context, one KV stream per slot.** The batcher makes a second ``llama_context``
 over the session's ``llama_model`` (the weights are shared) with :attr:`capacity` slots:
@@ -36,7 +36,8 @@ sampled with the same seed), with or without neighbours, with or without a reuse
 prefix, while it stays under 256 cells; past that, one decoded beside others and one
 decoded alone may part (as in llama-server). See docs/results/llama_batch.md.
 
-**Sampling** is the single path's chain (:func:`~localrun.backends.llama_cpp.temperature_first`),
+**Sampling** is the single path's chain
+(:func:`~localrun.backends.llama_cpp.session.temperature_first`),
 built from the same llama.cpp samplers in the same order: the structured-output mask
 (llguidance, as :func:`~localrun.structured.engines.llama_cpp_processors` applies it),
 the repetition penalty over the last ``last_n_tokens_size`` tokens, then greedy, or the
@@ -67,15 +68,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import Batcher, GenerationStats, Prompt
-from localrun.backends.llama_cpp_reuse import common_prefix, reusable_prefix
+from localrun.backends.llama_cpp.openmp import release_pool
+from localrun.backends.llama_cpp.reuse import common_prefix, reusable_prefix
 from localrun.backends.logprobs import llama_row
-from localrun.backends.openmp import release_pool
 from localrun.errors import GenerationError, LocalrunError
 from localrun.sampling import ResolvedSampling
 from localrun.structured.grammar import TokenMask
 
 if TYPE_CHECKING:
-    from localrun.backends.llama_cpp import LlamaCppSession
+    from localrun.backends.llama_cpp.session import LlamaCppSession
 
 #: Most sequences in flight. A llama.cpp decode step grows slowly from 2 sequences to 8
 #: (on the 2-core machine of docs/results/llama_batch.md, 39 to 50 ms for SmolLM2), so 8
@@ -556,7 +557,7 @@ def _stream_tokens(session: LlamaCppSession) -> int:
 
 def kv_bytes_per_token(session: LlamaCppSession) -> int:
     """KV cache bytes per token of the session's model, in its KV cache type."""
-    from localrun.backends.llama_cpp_kv import KV_TYPES
+    from localrun.backends.llama_cpp.memory import KV_TYPES
 
     lc, model = session._lc, session._llm._model.model
     n_head = max(int(lc.llama_model_n_head(model)), 1)

@@ -21,12 +21,12 @@ temperature > 0        **first**, then top_k, top_p, min_p (transformers' order)
                        mlx-lm's ``apply_top_k/apply_top_p/apply_min_p`` and a
                        categorical draw: ``make_sampler`` applies the
                        temperature last, and top_p before top_k
-                       (:func:`~localrun.backends.mlx_batch.seeded_sampler`)
+                       (:func:`~localrun.backends.mlx.batcher.seeded_sampler`)
 top_p (1 = off)        ``apply_top_p`` (only when 0 < top_p < 1)
 top_k (0 = off)        ``apply_top_k`` (0 = off, the same convention)
 min_p (0 = off)        ``apply_min_p`` (0 = off)
 repetition_penalty     ``make_logits_processors(repetition_penalty=...)`` over the
-                       last :data:`~localrun.backends.mlx_batch.REPETITION_CONTEXT`
+                       last :data:`~localrun.backends.mlx.batcher.REPETITION_CONTEXT`
                        tokens (llama.cpp's window), the cached prompt included;
                        not installed at 1.0
 seed                   the request's own key chain, ``mx.random.key(seed)`` split per
@@ -41,7 +41,7 @@ EOS                    the tokenizer's ``eos_token_ids`` plus every id in
 
 **KV reuse**: each call takes the prompt cache of a recent call sharing the longest
 prefix with its prompt and prefills only the rest; its own cache (prompt and reply) is
-kept for the next (:class:`~localrun.backends.mlx_batch.PrefixCache`, a few entries).
+kept for the next (:class:`~localrun.backends.mlx.batcher.PrefixCache`, a few entries).
 **Batching**: overlapping calls go through mlx-lm's ``BatchGenerator``
 (:meth:`MLXSession.batcher`); a call alone runs here, through ``generate_step``, which
 is a little faster for one sequence (``batch_alone`` is False).
@@ -79,7 +79,7 @@ from localrun.backends.hf_config import (
     trained_context,
 )
 from localrun.backends.logprobs import PROMPT_ROWS, Scorer, TokenBytes, check_ids
-from localrun.backends.mlx_batch import (
+from localrun.backends.mlx.batcher import (
     CAPACITY,
     MLXBatcher,
     PrefixCache,
@@ -376,7 +376,7 @@ class MLXSession(Session):
             stats.decode_tokens = engine_stats.decode_tokens
             stats.decode_seconds = engine_stats.decode_seconds
 
-    # -- batching (localrun.backends.mlx_batch) -------------------------------------------
+    # -- batching (localrun.backends.mlx.batcher) -------------------------------------------
 
     #: One sequence through generate_step costs a little less than through the
     #: BatchGenerator (its per-step bookkeeping, a thread hand-off per token): measured

@@ -40,10 +40,10 @@ from localrun.backends.base import (
     Session,
     check_options,
 )
-from localrun.backends.llama_cpp_kv import KV_TYPES
-from localrun.backends.llama_cpp_reuse import common_prefix, reusable_prefix
+from localrun.backends.llama_cpp.memory import KV_TYPES
+from localrun.backends.llama_cpp.openmp import release_pool
+from localrun.backends.llama_cpp.reuse import common_prefix, reusable_prefix
 from localrun.backends.logprobs import Scorer, check_ids, llama_row
-from localrun.backends.openmp import release_pool
 from localrun.errors import LocalrunError, ModelFileError
 from localrun.formats.gguf import GGUFInfo, read_gguf
 from localrun.memory import (
@@ -434,7 +434,7 @@ class LlamaCppSession(Session):
         first = int(lc.llama_memory_seq_pos_min(lc.llama_get_memory(self._ctx_ptr), 0))
         return first <= max(0, keep - n_swa)
 
-    # -- several sequences at once (localrun.backends.llama_cpp_batch) -----------------
+    # -- several sequences at once (localrun.backends.llama_cpp.batcher) -----------------
 
     #: False until the batcher is built (on the first overlap, or when a server asks
     #: Model.max_concurrency): its context holds capacity x this one's KV cache. Then
@@ -445,7 +445,7 @@ class LlamaCppSession(Session):
     def batcher(self) -> Batcher | None:
         batcher: Batcher | None = getattr(self, "_batcher", None)
         if batcher is None and getattr(self, "_llm", None) is not None:
-            from localrun.backends.llama_cpp_batch import make_batcher
+            from localrun.backends.llama_cpp.batcher import make_batcher
 
             try:
                 batcher = self._batcher = make_batcher(self)
@@ -455,7 +455,7 @@ class LlamaCppSession(Session):
         return batcher
 
     def batch_slots(self) -> tuple[int, int] | None:
-        from localrun.backends.llama_cpp_batch import batch_slots
+        from localrun.backends.llama_cpp.batcher import batch_slots
 
         return batch_slots(self)
 

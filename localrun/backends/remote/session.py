@@ -14,11 +14,11 @@ are also matched by the API, as on every backend. ``Model.count_tokens`` asks th
 server's ``POST /tokenize`` (vLLM, SGLang); a server without one (OpenAI, ``localrun
 serve``) gets TokenCountUnavailableError rather than a guess.
 
-Concurrency (:mod:`localrun.backends.remote_streams`): every sequence is its own
+Concurrency (:mod:`localrun.backends.remote.streams`): every sequence is its own
 streaming request on a thread of its own; the server's scheduler batches them.
 Cancelling one shuts its connection down at once, so the server aborts that request.
 
-Tools (:mod:`localrun.backends.remote_tools`) go to the server's own tool support
+Tools (:mod:`localrun.backends.remote.tools`) go to the server's own tool support
 (OpenAI's ``tools``/``tool_choice``), and the tool calls it streams back come out as
 localrun's ToolCall/ToolCallDelta.
 """
@@ -42,8 +42,8 @@ from localrun.backends.base import (
     Session,
     check_options,
 )
-from localrun.backends.remote_streams import ClosingCancel, RequestBatcher
-from localrun.backends.remote_tools import (
+from localrun.backends.remote.streams import ClosingCancel, RequestBatcher
+from localrun.backends.remote.tools import (
     ENVELOPE_TEMPLATE,
     CallWriter,
     read_envelope,

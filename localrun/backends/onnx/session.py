@@ -96,7 +96,7 @@ from localrun.backends.hf_config import (
 )
 from localrun.backends.logits_sampler import LogitsSampler
 from localrun.backends.logprobs import Scorer, TokenBytes, check_ids, onnx_prompt
-from localrun.backends.onnx_devices import config_device, parse_device, require_build
+from localrun.backends.onnx.devices import config_device, parse_device, require_build
 from localrun.errors import (
     ChatTemplateError,
     ConstrainedDecodingUnavailableError,

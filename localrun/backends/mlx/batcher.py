@@ -1,5 +1,5 @@
 """MLX sequences side by side (mlx-lm's ``BatchGenerator``), and the prompt caches kept
-between calls (KV reuse), for the MLX session (:mod:`localrun.backends.mlx`).
+between calls (KV reuse), for the MLX session (:mod:`localrun.backends.mlx.session`).
 
 **Batching.** :class:`MLXBatcher` is the session's
 :class:`~localrun.backends.base.Batcher`: ``add`` inserts a sequence into a

@@ -1,0 +1,1 @@
+"""MLX through mlx-lm: everything localrun knows and does about this engine."""

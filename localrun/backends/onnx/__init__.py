@@ -1,0 +1,1 @@
+"""ONNX Runtime GenAI: everything localrun knows and does about this engine."""

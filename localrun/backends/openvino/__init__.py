@@ -1,0 +1,1 @@
+"""OpenVINO GenAI: everything localrun knows and does about this engine."""

@@ -1,0 +1,1 @@
+"""Any OpenAI-compatible server as an engine: everything localrun knows and does about it."""
