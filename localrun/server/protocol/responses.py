@@ -26,9 +26,12 @@ Accepted with no effect: ``include``, ``reasoning.summary``, ``truncation``,
 ``prompt_cache_retention``, ``safety_identifier``, ``client_metadata``,
 ``stream_options``, ``service_tier`` auto or default. Refused with a 400 that says why:
 built-in tools (web search, file search, computer use, code interpreter, image
-generation, MCP, shells), images and files,
-``background``, ``conversation``, ``prompt``, ``max_tool_calls``, log probabilities,
-item references.
+generation, MCP, shells), images and files, ``background``, ``conversation``,
+``prompt``, ``max_tool_calls``, ``allowed_tools``, log probabilities, item references.
+
+``parallel_tool_calls`` goes to the library as given: false, one call at most; true, a
+required call may be several; left out, the library's default (a required call is one,
+"auto" may make several) — the response says true, OpenAI's default.
 """
 
 from __future__ import annotations
