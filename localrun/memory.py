@@ -16,10 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from localrun.backends.spec import OVERHEAD_FIXED, EngineMemory
 from localrun.formats.gguf import GGUFMetadata
 
-#: Fixed cost on top of the weights: compute buffers, runtime, tokenizer (bytes).
-OVERHEAD_FIXED = 256 * 2**20
 #: Proportional cost: scratch buffers grow with the model.
 OVERHEAD_FRACTION = 0.05
 #: KV cache element size when the engine (or its device) is not known: f16.
@@ -33,52 +32,23 @@ DEFAULT_CONTEXT_CAP = 8192
 
 
 MiB = 2**20
-
-
-@dataclass(frozen=True)
-class EngineMemory:
-    """What an engine allocates besides its weights, as localrun loads it on a device."""
-
-    kv_element_bytes: int | None  # bytes per K or V element; None: the model's dtype
-    overhead_fixed: int = OVERHEAD_FIXED  # runtime, tokenizer, compute buffers (bytes)
-
-
-#: Per engine and device kind ("*": any other device). KV element sizes are the caches
-#: the engines allocate as localrun loads them: llama.cpp f16 (type_k/type_v); mlx-lm the
-#: model's own dtype (None: bf16/f16 in MLX repos, f32 in a model saved in f32); OpenVINO
-#: f32 on the CPU, because openvino_genai.py sets
-#: KV_CACHE_PRECISION=f32 there (the GPU and NPU plugins keep f16); ONNX Runtime GenAI the
-#: model's I/O type, f32 in the builder's CPU variants (fp16 in its GPU ones); ExLlama
-#: fp16 unless kv_cache= says otherwise. The CPU overheads were measured here with the
-#: SmolLM2-135M fixtures (RSS after a filled context, less weights and KV cache:
-#: tests/test_memory_rss.py); GPUs keep the unmeasured 256 MiB (CUDA/Metal runtimes).
-ENGINE_MEMORY: dict[tuple[str, str], EngineMemory] = {
-    ("llama.cpp", "cpu"): EngineMemory(2, 64 * MiB),
-    ("llama.cpp", "*"): EngineMemory(2),
-    ("mlx", "cpu"): EngineMemory(None, 128 * MiB),
-    ("mlx", "*"): EngineMemory(None),
-    ("openvino", "cpu"): EngineMemory(4, 320 * MiB),
-    ("openvino", "*"): EngineMemory(2),
-    ("onnx", "cpu"): EngineMemory(4, 160 * MiB),
-    ("onnx", "*"): EngineMemory(2),
-    ("exllamav2", "*"): EngineMemory(2),
-    ("exllamav3", "*"): EngineMemory(2),
-}
-#: The device an engine runs on when none is named (others: a GPU when there is one).
-ENGINE_DEFAULT_DEVICE: dict[str, str] = {"openvino": "cpu", "onnx": "cpu"}
-#: Engine unknown: f16 and the full fixed overhead.
+#: Engine unknown, or without a memory row: f16 and the full fixed overhead.
 UNKNOWN_ENGINE = EngineMemory(KV_BYTES)
 
 
 def engine_memory(backend: str | None, device: str | None = None) -> EngineMemory:
-    """The :data:`ENGINE_MEMORY` row for ``backend`` on ``device`` ("cpu", "CPU",
-    "GPU.1", "cuda:0", "metal", ...; None: the engine's default device)."""
-    if backend is None:
+    """What ``backend`` allocates on ``device`` ("cpu", "CPU", "GPU.1", "cuda:0",
+    "metal", ...; None: the engine's default device) besides its weights: the row its
+    own facts give (``BackendSpec.memory``), else :data:`UNKNOWN_ENGINE`."""
+    # the engine table is pure data (each engine's facts.py), read here by name
+    from localrun.backends import BACKENDS
+
+    spec = BACKENDS.get(backend) if backend is not None else None
+    if spec is None:
         return UNKNOWN_ENGINE
     kind = re.split(r"[:.]", device.strip().lower(), maxsplit=1)[0] if device else \
-        ENGINE_DEFAULT_DEVICE.get(backend, "*")
-    return ENGINE_MEMORY.get((backend, kind)) or ENGINE_MEMORY.get((backend, "*")) \
-        or UNKNOWN_ENGINE
+        spec.default_device
+    return spec.memory.get(kind) or spec.memory.get("*") or UNKNOWN_ENGINE
 
 
 def kv_element_bytes(engine: EngineMemory, shape: ModelShape | None) -> int:
@@ -161,7 +131,7 @@ def kv_cache_bytes(shape: ModelShape, context: int, kv_bytes: float = KV_BYTES) 
 def estimate(weights_bytes: int, shape: ModelShape | None, context: int, *,
              backend: str | None = None, device: str | None = None) -> MemoryEstimate:
     """Bytes to run the model at ``context`` on ``backend`` (on ``device``): the KV cache
-    in the element size that engine allocates there, its overhead (:data:`ENGINE_MEMORY`)."""
+    in the element size that engine allocates there, its overhead (:func:`engine_memory`)."""
     eng = engine_memory(backend, device)
     kv = kv_cache_bytes(shape, context, kv_element_bytes(eng, shape)) if shape else 0
     return MemoryEstimate(weights_bytes, kv, overhead_bytes(weights_bytes, eng.overhead_fixed),

@@ -9,13 +9,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from localrun.backends import canonical_backend, installed_backends, not_installed
+from localrun.backends import canonical_backend, compat, installed_backends, not_installed
 from localrun.errors import (
     LocalrunError,
     UnknownModelError,
     UnoptimizedFormatWarning,
 )
-from localrun.formats import compat
 from localrun.formats.detect import DetectedModel, detect
 from localrun.identity import card_sampling, identify
 from localrun.refs import DEFAULT_NAMES, default_serves, is_default_name, local_path, parse_ref

@@ -19,9 +19,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from localrun.backends import BACKENDS, canonical_backend, install_hint
+from localrun.backends import BACKENDS, canonical_backend, compat, install_hint
 from localrun.errors import FormatMismatchError, NoSuitableEngineError
-from localrun.formats import compat
 from localrun.hardware import HardwareProfile
 from localrun.hosts import (
     DATACENTER_GPU,

@@ -1,6 +1,7 @@
-"""Each engine's facts live in one table (localrun.backends.spec.BACKENDS): every engine
-there has every fact, and every other per-engine table agrees with it, so an engine
-added to one table only (or a fact changed in one place only) fails here."""
+"""Each engine's facts live in its own package (backends/<engine>/facts.py), collected in
+one table (localrun.backends.BACKENDS): every engine there has every fact, and every other
+per-engine table is derived from it or agrees with it, so an engine added to one table
+only (or a fact changed in one place only) fails here."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ from localrun.backends import (
     BACKENDS,
     ENGINE_OPTIONS,
     canonical_backend,
+    compat,
     engine_options,
     install_hint,
     not_installed,
 )
 from localrun.backends.spec import BackendName, BackendSpec
 from localrun.errors import EngineNotInstalledError
-from localrun.formats import compat
+from localrun.formats.names import FORMAT_TITLES
 from localrun.install import pip_install
 
 try:
@@ -66,6 +68,15 @@ def test_every_engine_has_every_fact(name: str) -> None:
     spec = BACKENDS[name]
     assert spec.title and spec.convert and spec.dists and spec.formats
     assert importlib.util.find_spec(spec.module) is not None, spec.module  # no engine import
+    # one folder per engine: its session module and its facts live in it
+    package = spec.module.rsplit(".", 1)[0]
+    assert package.count(".") == 2 and package.startswith("localrun.backends."), package
+    assert importlib.util.find_spec(package + ".facts") is not None, package
+    assert set(spec.loads) <= set(FORMAT_TITLES) and not set(spec.loads) & set(spec.formats)
+    assert set(spec.conditions) <= set(spec.formats) | set(spec.loads), name
+    if spec.embedder is not None:
+        assert spec.embedder.startswith(package + "."), spec.embedder
+        assert importlib.util.find_spec(spec.embedder) is not None, spec.embedder
     if spec.home == "here":
         # the extra exists and installs every distribution the engine needs
         assert spec.extra in EXTRAS, spec.extra
@@ -136,10 +147,16 @@ def test_the_selection_rules_name_only_known_engines() -> None:
     assert set(hosts.DEVICE_FITS) == set(typing.get_args(hosts.DeviceKind))
 
 
-def test_the_memory_table_names_only_known_engines() -> None:
-    from localrun.memory import ENGINE_MEMORY
+def test_each_engine_states_its_memory() -> None:
+    """Each memory row is the engine's own fact, read by the memory model by name."""
+    from localrun import memory
 
-    assert {backend for backend, _ in ENGINE_MEMORY} <= set(BACKENDS)
+    for name, spec in BACKENDS.items():
+        assert set(spec.memory) <= {"cpu", "*"}, name
+        assert spec.default_device in ("cpu", "*"), name
+        for kind, row in spec.memory.items():
+            assert memory.engine_memory(name, kind if kind != "*" else "cuda:0") is row
+    assert memory.engine_memory("no-such-engine") is memory.UNKNOWN_ENGINE
 
 
 def test_install_hints_come_from_the_spec() -> None:

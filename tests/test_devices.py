@@ -425,7 +425,7 @@ def test_engines_refuse_unknown_options_before_loading(backend: str, fixture: st
 
 
 def test_llama_kv_cache_choices_are_the_types_it_maps() -> None:
-    from localrun.backends.llama_cpp.session import KV_TYPES
+    from localrun.backends.llama_cpp.facts import KV_TYPES
 
     assert set(ENGINE_OPTIONS["llama.cpp"]["kv_cache"][0]) == set(KV_TYPES)
 

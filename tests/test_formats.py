@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from localrun.backends import BACKENDS
+from localrun.backends import BACKENDS, compat
 from localrun.errors import FormatMismatchError, ModelFileError
-from localrun.formats import compat
 from localrun.formats.detect import detect
 from localrun.formats.safetensors import write_safetensors_header
 

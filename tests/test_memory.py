@@ -67,7 +67,7 @@ def test_available_ram() -> None:
     assert memory.available_ram_bytes() > 0
 
 
-# -- what each engine allocates (memory.ENGINE_MEMORY) ----------------------------------
+# -- what each engine allocates (its facts' memory rows) ---------------------------------
 
 MiB = 2**20
 

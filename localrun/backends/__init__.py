@@ -1,6 +1,14 @@
-"""The engines localrun drives: their table (``spec.BACKENDS``, one :class:`BackendSpec`
-each) and what is asked of it: spellings, options, installed versions, loading.
-Nothing here imports an engine until :func:`get_backend`."""
+"""The engines localrun drives: their table (:data:`BACKENDS`, each engine's own
+:class:`~localrun.backends.spec.BackendSpec` from its package's ``facts.py``) and what is
+asked of it: spellings, options, installed versions, loading. Nothing here imports an
+engine until :func:`get_backend`.
+
+Each engine is one folder, ``backends/<engine>/``: its facts (``facts.py``, pure data:
+the table row, the formats it runs and on what conditions, what it allocates, its
+options), its session, and whatever else only it uses. Adding one means its folder, its
+name in ``spec.BackendName`` and in :data:`ENGINES` below, and its host rules in
+:mod:`localrun.selection`.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +16,31 @@ import importlib
 from importlib import metadata
 from typing import TYPE_CHECKING
 
-from localrun.backends.spec import BACKENDS, BackendName, BackendSpec, Build, Option
+from localrun.backends.exllama.facts import EXLLAMAV2, EXLLAMAV3
+from localrun.backends.llama_cpp.facts import SPEC as LLAMA_CPP
+from localrun.backends.mlx.facts import SPEC as MLX
+from localrun.backends.onnx.facts import SPEC as ONNX
+from localrun.backends.openvino.facts import SPEC as OPENVINO
+from localrun.backends.remote.facts import SPEC as REMOTE
+from localrun.backends.spec import BackendName, BackendSpec, Build, Option
+from localrun.backends.vllm.facts import SPEC as VLLM
 from localrun.install import pip_install
 
 if TYPE_CHECKING:
     from localrun.backends.base import Backend
     from localrun.errors import EngineNotInstalledError
 
-__all__ = ["BACKENDS", "BACKEND_ALIASES", "ENGINE_OPTIONS", "BackendName", "BackendSpec",
-           "Build", "Option", "build_devices", "canonical_backend", "engine_options",
-           "engine_version", "get_backend", "install_hint", "installed_backends",
-           "installed_build", "is_installed", "not_installed"]
+__all__ = ["BACKENDS", "BACKEND_ALIASES", "ENGINES", "ENGINE_OPTIONS", "BackendName",
+           "BackendSpec", "Build", "Option", "build_devices", "canonical_backend",
+           "engine_options", "engine_version", "get_backend",
+           "install_hint", "installed_backends", "installed_build", "is_installed",
+           "not_installed"]
+
+#: Every engine's facts, in the order of ``spec.BackendName``.
+ENGINES: tuple[BackendSpec, ...] = (LLAMA_CPP, MLX, EXLLAMAV2, EXLLAMAV3, OPENVINO, ONNX,
+                                    VLLM, REMOTE)
+#: The engine table: name -> its facts.
+BACKENDS: dict[str, BackendSpec] = {s.name: s for s in ENGINES}
 
 #: Other spellings users type for --backend (each engine's ``aliases``).
 BACKEND_ALIASES: dict[str, str] = {a: s.name for s in BACKENDS.values() for a in s.aliases}

@@ -81,10 +81,10 @@ def plan_targets(models: Sequence[str], backend: str
     from localrun.backends import (
         BACKENDS,
         canonical_backend,
+        compat,
         install_hint,
         installed_backends,
     )
-    from localrun.formats import compat
     from localrun.resolve import resolve_local
 
     targets: list[Target] = []

@@ -41,7 +41,7 @@ def list_models(
     from rich.table import Table
 
     from localrun import hub, stores
-    from localrun.formats import compat
+    from localrun.backends import compat
 
     found = [*hub.cached_models(), *stores.ollama_models(), *stores.lmstudio_models()]
     default = stores.default_model()

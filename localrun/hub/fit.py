@@ -17,9 +17,9 @@ from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError
 
 from localrun import memory
-from localrun.backends import BACKENDS
+from localrun.backends import BACKENDS, compat
 from localrun.errors import HubNotFoundError
-from localrun.formats import compat, gguf
+from localrun.formats import gguf
 from localrun.hub.client import cache_dir, range_read
 from localrun.hub.listing import Listing
 from localrun.hub.plans import FetchPlan, PlannedFile, QuantOption, Source

@@ -15,7 +15,7 @@ from huggingface_hub import constants
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
 from localrun import pulls
-from localrun.backends import BACKENDS, canonical_backend
+from localrun.backends import BACKENDS, canonical_backend, compat
 from localrun.catalog import CatalogEntry, Variant
 from localrun.errors import (
     HubNotFoundError,
@@ -23,7 +23,6 @@ from localrun.errors import (
     NoVariantError,
     OfflineMissingError,
 )
-from localrun.formats import compat
 from localrun.hub.client import api, unreachable
 from localrun.hub.fit import choose, plan_local
 from localrun.hub.listing import (

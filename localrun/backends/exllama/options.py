@@ -1,8 +1,9 @@
 """ExLlamaV2/V3 load options: their table, and validation.
 
-The engines' titles and accepted options are their facts in
-:mod:`localrun.backends.spec` (:data:`ENGINE_TITLES` and :data:`OPTIONS` are read from
-there); the parsing, which takes more spellings than the table's kinds, stays here.
+The engines' titles and accepted options are their facts
+(:mod:`localrun.backends.exllama.facts`: :data:`ENGINE_TITLES` and :data:`OPTIONS` are
+read from there); the parsing, which takes more spellings than the table's kinds, stays
+here.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from localrun.backends.spec import BACKENDS
+from localrun.backends.exllama.facts import SPECS
 from localrun.errors import InvalidOptionError
 
 Engine = Literal["exllamav2", "exllamav3"]
 KVCache = Literal["fp16", "q8", "q6", "q4"]
 
 ENGINES: tuple[Engine, ...] = ("exllamav2", "exllamav3")
-ENGINE_TITLES: dict[str, str] = {e: BACKENDS[e].title for e in ENGINES}
+ENGINE_TITLES: dict[str, str] = {e: SPECS[e].title for e in ENGINES}
 
 KV_CACHE_CHOICES: tuple[KVCache, ...] = ("fp16", "q8", "q6", "q4")
 KV_CACHE_ALIASES: dict[str, KVCache] = {
@@ -32,7 +33,7 @@ KV_CACHE_ALIASES: dict[str, KVCache] = {
 
 #: The options each backend accepts through ``localrun.load(..., **options)``: {name: help}.
 OPTIONS: dict[str, dict[str, str]] = {
-    e: {name: why for name, (_, why) in BACKENDS[e].options.items()} for e in ENGINES}
+    e: {name: why for name, (_, why) in SPECS[e].options.items()} for e in ENGINES}
 
 
 def title(engine: str) -> str:

@@ -2,8 +2,8 @@
 
 The KV cache's size per token is :meth:`localrun.memory.ModelShape.kv_bytes_per_token`
 at the element size of the chosen cache (:data:`KV_ELEMENT_BYTES`); the context rule is
-:func:`localrun.memory.context_window` and the overhead the engine's row of
-:data:`localrun.memory.ENGINE_MEMORY`, as for every other engine. What is ExLlama's
+:func:`localrun.memory.context_window` and the overhead the engine's memory row
+(:mod:`localrun.backends.exllama.facts`), as for every other engine. What is ExLlama's
 own: whole 256-token pages, each engine's per-GPU reserve, ExLlamaV2's dequantization
 buffers, and the GPU split.
 """

@@ -557,7 +557,7 @@ def _stream_tokens(session: LlamaCppSession) -> int:
 
 def kv_bytes_per_token(session: LlamaCppSession) -> int:
     """KV cache bytes per token of the session's model, in its KV cache type."""
-    from localrun.backends.llama_cpp.memory import KV_TYPES
+    from localrun.backends.llama_cpp.facts import KV_TYPES
 
     lc, model = session._lc, session._llm._model.model
     n_head = max(int(lc.llama_model_n_head(model)), 1)

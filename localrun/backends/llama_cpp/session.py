@@ -40,7 +40,7 @@ from localrun.backends.base import (
     Session,
     check_options,
 )
-from localrun.backends.llama_cpp.memory import KV_TYPES
+from localrun.backends.llama_cpp.facts import KV_TYPES
 from localrun.backends.llama_cpp.openmp import release_pool
 from localrun.backends.llama_cpp.reuse import common_prefix, reusable_prefix
 from localrun.backends.logprobs import Scorer, check_ids, llama_row

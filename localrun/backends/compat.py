@@ -4,98 +4,34 @@
 is not the engine's fast path; localrun requires an explicit opt-in and warns.
 Anything absent is "no": refuse, and say which engine runs it and how to get the
 variant the chosen engine wants. The check runs before any engine is imported.
+
+Every row is an engine's own fact (its ``formats``, ``loads`` and ``conditions`` in
+``backends/<engine>/facts.py``); this module only collects and reads them. The formats
+themselves, and their titles, are :mod:`localrun.formats.names`'.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 from localrun.backends import BACKENDS
+from localrun.backends.spec import Condition, Support
 from localrun.errors import FormatMismatchError
+from localrun.formats.names import FORMAT_TITLES, NOT_SERVED, title
 
-Support = Literal["native", "loads", "no"]
+__all__ = ["COMPAT", "CONDITIONS", "CONVERT", "FORMAT_TITLES", "NATIVE_FORMAT", "NOT_SERVED",
+           "Condition", "Support", "check", "native_backends", "refusal_hint", "support",
+           "title"]
 
-#: format -> {backend: support}; a backend not listed cannot load the format.
+#: format -> {backend: support}, for every format localrun knows; a backend not listed
+#: cannot load the format.
 COMPAT: dict[str, dict[str, Support]] = {
-    "gguf": {"llama.cpp": "native", "openvino": "loads"},
-    "mlx": {"mlx": "native"},
-    "exl2": {"exllamav2": "native"},
-    "exl3": {"exllamav3": "native"},
-    "openvino": {"openvino": "native"},
-    "onnx": {"onnx": "native"},
-    "gptq": {"exllamav2": "loads", "mlx": "loads", "vllm": "native"},
-    "awq": {"mlx": "loads", "vllm": "native"},
-    "hf": {"mlx": "loads", "exllamav3": "loads", "vllm": "native"},
-    "fp8": {"vllm": "native"},
-    "compressed-tensors": {"vllm": "native"},
-    "bitsandbytes": {},
-    "mxfp4": {},
-}
-
-
-@dataclass(frozen=True)
-class Condition:
-    """What a "loads" (or "native") pairing depends on; outside it, the pairing is "no"."""
-
-    note: str
-    architectures: tuple[str, ...] | None = None  # GGUF general.architecture values
-    quantizations: tuple[str, ...] | None = None  # detected quantization names
-    min_version: str | None = None  # engine version where this started to work
-
-
-def _needs_cc(backend: str) -> str:
-    major, minor = BACKENDS[backend].min_compute or (0, 0)
-    return f"NVIDIA GPU with compute capability >= {major}.{minor}"
-
+    fmt: {name: "native" if fmt in spec.formats else "loads"
+          for name, spec in BACKENDS.items() if fmt in spec.formats or fmt in spec.loads}
+    for fmt in FORMAT_TITLES}
 
 #: (format, backend) -> the engine versions / architectures the pairing depends on.
 CONDITIONS: dict[tuple[str, str], Condition] = {
-    ("gguf", "llama.cpp"): Condition(
-        "every GGUF architecture llama.cpp knows; new architectures need a recent "
-        "llama-cpp-python"),
-    ("gguf", "openvino"): Condition(
-        "preview GGUF reader: llama, qwen2 and qwen3 architectures with F16/Q4_0/Q4_1/Q8_0/"
-        "Q4_K/Q6_K weights only (openvino-genai >= 2025.2); it rounds the block minimums "
-        "of Q4_1 and Q4_K weights (SmolLM2 Q4_1: KL 0.79 from llama.cpp's logits), so "
-        "prefer llama.cpp for those files, or Q8_0, or an IR from optimum-cli",
-        architectures=("llama", "qwen2", "qwen3"),
-        quantizations=("F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K_S", "Q4_K_M", "Q6_K"),
-        min_version="2025.2"),
-    ("mlx", "mlx"): Condition("Metal on Apple Silicon; CPU only (slow) on Linux with mlx[cpu]"),
-    ("exl2", "exllamav2"): Condition(f"{_needs_cc('exllamav2')} (or ROCm)"),
-    ("exl3", "exllamav3"): Condition(f"{_needs_cc('exllamav3')} (Ampere+)"),
-    ("openvino", "openvino"): Condition(
-        "needs openvino_tokenizer.xml and openvino_detokenizer.xml beside the model"),
-    ("onnx", "onnx"): Condition(
-        "the execution provider the model was built for (cpu, cuda, dml) must be in the "
-        "installed onnxruntime-genai build"),
-    ("gptq", "exllamav2"): Condition("4-bit GPTQ only", quantizations=("4bit",)),
-    ("gptq", "mlx"): Condition("mlx-lm converts some GPTQ checkpoints on load"),
-    ("awq", "mlx"): Condition("mlx-lm converts some AWQ checkpoints on load"),
-    ("hf", "mlx"): Condition("runs unquantized; the MLX 4-bit/8-bit variant is much faster"),
-    ("hf", "exllamav3"): Condition("runs unquantized; an EXL3 quant is its optimized path"),
-}
-
-#: Format names users know.
-FORMAT_TITLES: dict[str, str] = {
-    "gguf": "GGUF", "mlx": "MLX", "exl2": "EXL2", "exl3": "EXL3", "openvino": "OpenVINO IR",
-    "onnx": "ONNX Runtime GenAI", "gptq": "GPTQ", "awq": "AWQ", "hf": "safetensors (fp16/bf16)",
-    "fp8": "FP8", "compressed-tensors": "compressed-tensors", "bitsandbytes": "bitsandbytes",
-    "mxfp4": "MXFP4 safetensors",
-}
-
-#: For formats no engine here runs natively: what does run them, and the way out.
-NOT_SERVED: dict[str, str] = {
-    "gptq": "GPTQ is a GPU serving format (vLLM, SGLang, transformers)",
-    "awq": "AWQ is a GPU serving format (vLLM, SGLang, transformers)",
-    "fp8": "FP8 checkpoints are for vLLM/SGLang/TensorRT-LLM on Hopper-class GPUs",
-    "compressed-tensors": "compressed-tensors checkpoints are for vLLM",
-    "bitsandbytes": "bitsandbytes checkpoints are for transformers with CUDA",
-    "mxfp4": "MXFP4 safetensors checkpoints are for vLLM/transformers (GGUF MXFP4 runs on "
-             "llama.cpp)",
-    "hf": "plain fp16/bf16 weights are the source other formats are made from",
-}
+    (fmt, name): cond for name, spec in BACKENDS.items()
+    for fmt, cond in spec.conditions.items()}
 
 #: The format each backend wants: what to ask for instead of a mismatching file.
 NATIVE_FORMAT: dict[str, str] = {b: spec.formats[0] for b, spec in BACKENDS.items()}
@@ -119,10 +55,6 @@ def support(format: str, backend: str, *, architecture: str | None = None,
 
 def native_backends(format: str) -> list[str]:
     return [b for b, s in COMPAT.get(format, {}).items() if s == "native"]
-
-
-def title(format: str) -> str:
-    return FORMAT_TITLES.get(format, format)
 
 
 def check(
