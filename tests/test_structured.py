@@ -582,7 +582,7 @@ def test_masks_pad_to_the_engines_width(compiler: Any) -> None:
 
 
 def test_unsupported_schema_names_the_engine(compiler: Any) -> None:
-    from localrun.structured.engines import LazyGrammar
+    from localrun.structured.grammar import LazyGrammar
 
     lazy = LazyGrammar("onnx", lambda: compiler.tokenizer)
     with pytest.raises(UnsupportedSchemaError, match="on onnx") as e:

@@ -224,6 +224,26 @@ class Session(ABC):
         """Free the engine's memory. Idempotent."""
 
 
+class Embedder(ABC):
+    """One embedding model in an engine's embedding mode (the module an engine's
+    ``embedder`` fact names makes it with ``load_embedder(path, name, context, device)``)."""
+
+    info: ModelInfo
+    dimensions: int  # the length of each vector
+    max_tokens: int  # the tokens one input is embedded with at most (longer ones are cut)
+
+    @abstractmethod
+    def count(self, text: str) -> int:
+        """The tokens of ``text`` as the model embeds it."""
+
+    @abstractmethod
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        """One unit-length vector per text, each text cut to :attr:`max_tokens`."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free the engine's memory. Idempotent."""
+
+
 def check_options(backend: str, options: Mapping[str, Any]) -> dict[str, Any]:
     """Engine options validated against the backend's table (``ENGINE_OPTIONS``).
 

@@ -5,8 +5,9 @@ A :class:`Constraint` travels with the resolved sampling of one request
 ``SamplingParams`` and OpenVINO's ``GenerationConfig``. Each backend applies it with its
 own hook: a per-token mask from llguidance where the engine exposes logits (llama.cpp,
 MLX, ONNX Runtime GenAI, ExLlamaV2/V3), the engine's built-in grammar otherwise
-(OpenVINO GenAI's ``StructuredOutputConfig``, XGrammar inside). See
-:mod:`localrun.structured.engines`.
+(OpenVINO GenAI's ``StructuredOutputConfig``, XGrammar inside): each engine's hook is
+in its own package (``backends/<engine>/constraints.py``, the table in
+:mod:`localrun.structured`).
 """
 
 from __future__ import annotations

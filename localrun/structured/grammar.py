@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from localrun.errors import (
@@ -48,6 +49,8 @@ JSON_OPTIONS: dict[str, Any] = {
 }
 
 LLGUIDANCE_HINT = "pip install 'llguidance>=1.9,<2' (a dependency of localrun)"
+#: What structured output needs of a model's files.
+FAST_TOKENIZER_HINT = "structured output needs a Hugging Face fast tokenizer (tokenizer.json)"
 
 
 def llguidance() -> Any:
@@ -266,9 +269,19 @@ def tokenizer_from_json(tokenizer_json: str, eos: Sequence[int], n_vocab: int | 
     except Exception as e:  # pyo3 raises ValueError/RuntimeError for tokenizers it cannot read
         raise ConstrainedDecodingUnavailableError(
             "this model", f"llguidance cannot read its tokenizer.json ({e})",
-            hint="structured output needs a Hugging Face fast tokenizer (tokenizer.json)"
-        ) from e
+            hint=FAST_TOKENIZER_HINT) from e
     return tok
+
+
+def tokenizer_in_folder(folder: Path, eos: Sequence[int], engine: str,
+                        n_vocab: int | None = None) -> LLTokenizer:
+    """llguidance's tokenizer from a model folder's ``tokenizer.json``; the typed error
+    naming ``engine`` (as users know it) where the folder has none."""
+    source = folder / "tokenizer.json"
+    if not source.is_file():
+        raise ConstrainedDecodingUnavailableError(
+            engine, f"{folder} has no tokenizer.json for llguidance", hint=FAST_TOKENIZER_HINT)
+    return tokenizer_from_json(source.read_text(encoding="utf-8"), eos, n_vocab)
 
 
 def tokenizer_from_llama(vocab: Any, eos: Sequence[int]) -> LLTokenizer:
@@ -288,3 +301,35 @@ def tokenizer_from_llama(vocab: Any, eos: Sequence[int]) -> LLTokenizer:
         warnings.simplefilter("ignore", DeprecationWarning)
         tok: LLTokenizer = lltokenizer_from_vocab(vocab, eos_token=sorted(set(eos)) or None)
     return tok
+
+
+# -- one model's compiler ---------------------------------------------------------------
+
+
+class LazyGrammar:
+    """One model's llguidance compiler, built on first use (building llguidance's
+    tokenizer takes ~0.5 s per 50k tokens) and shared by its requests."""
+
+    def __init__(self, backend: str, make_tokenizer: Callable[[], Any],
+                 width: int | None = None) -> None:
+        self.backend = backend
+        self._make = make_tokenizer
+        self._width = width
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def compiler(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self._make(), self._width)
+            return self._compiler
+
+    def check(self, constraint: Constraint) -> None:
+        """Compile now (cached): schema errors before any token is generated."""
+        try:
+            self.compiler().grammar(constraint)
+        except UnsupportedSchemaError as e:
+            raise UnsupportedSchemaError(e.what, e.detail, backend=self.backend) from e
+
+    def mask(self, constraint: Constraint) -> TokenMask:
+        return self.compiler().mask(constraint, self.backend)

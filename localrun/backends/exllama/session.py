@@ -40,12 +40,11 @@ from localrun.backends.hf_config import (
     sampling_defaults,
     trained_context,
 )
-from localrun.errors import ConstrainedDecodingUnavailableError, LocalrunError, ModelFileError
+from localrun.errors import LocalrunError, ModelFileError
 from localrun.memory import ModelShape, shape_from_config
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
-from localrun.structured.engines import LazyGrammar
-from localrun.structured.grammar import tokenizer_from_json
+from localrun.structured.grammar import LazyGrammar, tokenizer_in_folder
 from localrun.templates import render_chat
 from localrun.types import CancelToken, Message, ModelInfo
 
@@ -178,15 +177,8 @@ class ExLlamaSession(Session):
         width = vocab if isinstance(vocab, int) else None
         stop = list(self._stop)
 
-        def tokenizer() -> Any:
-            source = folder / "tokenizer.json"
-            if not source.is_file():
-                raise ConstrainedDecodingUnavailableError(
-                    title(self.engine), f"{folder} has no tokenizer.json for llguidance",
-                    hint="structured output needs a Hugging Face fast tokenizer")
-            return tokenizer_from_json(source.read_text(encoding="utf-8"), stop, width)
-
-        self._grammar = LazyGrammar(self.engine, tokenizer, width)
+        self._grammar = LazyGrammar(self.engine, lambda: tokenizer_in_folder(
+            folder, stop, title(self.engine), width), width)
 
     def _encode(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
         ids = self._tokenizer.encode(text, add_bos=add_bos, encode_special_tokens=special)

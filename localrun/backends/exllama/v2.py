@@ -27,6 +27,7 @@ import importlib
 from types import SimpleNamespace
 from typing import Any
 
+from localrun.backends.exllama.constraints import exllamav2_filter
 from localrun.backends.exllama.errors import engine_import_error
 from localrun.backends.exllama.options import KVCache
 from localrun.backends.exllama.session import ExLlamaBackend, ExLlamaSession, LoadInputs
@@ -34,7 +35,6 @@ from localrun.backends.exllama.vram import ContextChoice, SplitPlan, kv_bytes_pe
 from localrun.errors import InvalidOptionError
 from localrun.memory import ModelShape
 from localrun.sampling import ResolvedSampling
-from localrun.structured.engines import exllamav2_filter
 
 ENGINE = "exllamav2"
 

@@ -24,12 +24,12 @@ import importlib
 from types import SimpleNamespace
 from typing import Any
 
+from localrun.backends.exllama.constraints import exllamav3_filter
 from localrun.backends.exllama.errors import engine_import_error
 from localrun.backends.exllama.options import KVCache
 from localrun.backends.exllama.session import ExLlamaBackend, ExLlamaSession, LoadInputs
 from localrun.backends.exllama.vram import PAGE_SIZE, ContextChoice
 from localrun.sampling import ResolvedSampling
-from localrun.structured.engines import exllamav3_filter
 
 ENGINE = "exllamav3"
 

@@ -39,7 +39,8 @@ decoded alone may part (as in llama-server). See docs/results/llama_batch.md.
 **Sampling** is the single path's chain
 (:func:`~localrun.backends.llama_cpp.session.temperature_first`),
 built from the same llama.cpp samplers in the same order: the structured-output mask
-(llguidance, as :func:`~localrun.structured.engines.llama_cpp_processors` applies it),
+(llguidance, as :func:`~localrun.backends.llama_cpp.constraints.llama_cpp_processors`
+applies it),
 the repetition penalty over the last ``last_n_tokens_size`` tokens, then greedy, or the
 temperature, top_k, top_p, min_p and the seeded draw. A constraint is enforced per
 sequence: its matcher is fed each token drawn, as in the single path. Log probabilities,
@@ -64,10 +65,10 @@ from __future__ import annotations
 import codecs
 import ctypes
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import Batcher, GenerationStats, Prompt
+from localrun.backends.llama_cpp.constraints import masking_sampler
 from localrun.backends.llama_cpp.openmp import release_pool
 from localrun.backends.llama_cpp.reuse import common_prefix, reusable_prefix
 from localrun.backends.logprobs import llama_row
@@ -435,7 +436,7 @@ class LlamaCppBatcher(Batcher):
 
         chain: Any = getattr(_internals, "LlamaSampler")()  # noqa: B009 - untyped upstream
         if mask is not None:
-            chain.add_custom(_masking(self._lc, mask))
+            chain.add_custom(masking_sampler(self._lc, mask))
         chain.add_penalties(self._n_vocab, self._last_n, sampling.repetition_penalty, 0.0, 0.0)
         if sampling.temperature <= 0:
             chain.add_greedy()
@@ -511,24 +512,6 @@ class LlamaCppBatcher(Batcher):
         for seq in live:
             self._lc.llama_memory_seq_rm(self._mem, seq.slot, -1, -1)
             seq.n_past = 0
-
-
-def _masking(lc: Any, mask: TokenMask) -> Callable[[Any], None]:
-    """The structured-output mask as a custom sampler (llama-cpp-python's own
-    ``logits_processor`` wrapper in ``Llama._init_sampler``): first in the chain, it sees
-    the whole vocabulary in token-id order."""
-    import numpy as np
-
-    dtype = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
-
-    def apply(cur_p: Any) -> None:
-        size = cur_p.contents.size
-        data = (lc.llama_token_data * size).from_address(
-            ctypes.addressof(cur_p.contents.data.contents))
-        rec = np.recarray(shape=(size,), dtype=dtype, buf=data)
-        rec.logit[:] = mask.apply(rec.logit)
-
-    return apply
 
 
 def make_batcher(session: LlamaCppSession) -> LlamaCppBatcher | None:

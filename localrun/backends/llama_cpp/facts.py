@@ -52,5 +52,5 @@ SPEC = BackendSpec(
     # tests/test_memory_rss.py); GPUs keep the unmeasured default (CUDA/Metal runtimes)
     memory={"cpu": EngineMemory(2, 64 * MiB), "*": EngineMemory(2)},
     default_device="*",
-    embedder=None,
+    embedder="localrun.backends.llama_cpp.embeddings",
 )

@@ -40,6 +40,7 @@ from localrun.backends.base import (
     Session,
     check_options,
 )
+from localrun.backends.llama_cpp.constraints import llama_cpp_processors
 from localrun.backends.llama_cpp.facts import KV_TYPES
 from localrun.backends.llama_cpp.openmp import release_pool
 from localrun.backends.llama_cpp.reuse import common_prefix, reusable_prefix
@@ -55,8 +56,7 @@ from localrun.memory import (
 )
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
-from localrun.structured.engines import LazyGrammar, llama_cpp_processors
-from localrun.structured.grammar import tokenizer_from_llama
+from localrun.structured.grammar import LazyGrammar, tokenizer_from_llama
 from localrun.templates import render_chat
 from localrun.types import CancelToken, Message, ModelInfo, TokenLogprob
 

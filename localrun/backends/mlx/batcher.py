@@ -44,10 +44,10 @@ from typing import Any
 from localrun.backends._worker import Worker
 from localrun.backends.base import Batcher, GenerationStats, Prompt
 from localrun.backends.logprobs import Scorer
+from localrun.backends.mlx.constraints import mlx_processor
 from localrun.errors import LocalrunError
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
-from localrun.structured.engines import mlx_processor
 from localrun.structured.grammar import TokenMask
 from localrun.types import FinishReason
 

@@ -89,15 +89,13 @@ from localrun.backends.mlx.batcher import (
 )
 from localrun.errors import (
     ChatTemplateError,
-    ConstrainedDecodingUnavailableError,
     LocalrunError,
     ModelFileError,
 )
 from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
-from localrun.structured.engines import LazyGrammar
-from localrun.structured.grammar import TokenMask, tokenizer_from_json
+from localrun.structured.grammar import LazyGrammar, TokenMask, tokenizer_in_folder
 from localrun.types import CancelToken, FinishReason, Message, ModelInfo, TokenLogprob
 
 #: Tokenizer files of which an MLX folder needs one.
@@ -206,8 +204,8 @@ class MLXSession(Session):
         self.bos_token = str(getattr(self._tok, "bos_token", None) or "")
         self.eos_token = str(getattr(self._tok, "eos_token", None) or "")
         vocab = config.get("vocab_size")
-        self._grammar = LazyGrammar("mlx", lambda: self._llg_tokenizer(path),
-                                    vocab if isinstance(vocab, int) else None)
+        self._grammar = LazyGrammar("mlx", lambda: tokenizer_in_folder(
+            path, sorted(self._eos), "MLX"), vocab if isinstance(vocab, int) else None)
         self._vocab = vocab if isinstance(vocab, int) else len(self._tok.get_vocab())
         tok = self._tok
         self._scorer = Scorer(TokenBytes(path / "tokenizer.json", lambda t: str(tok.decode([t]))))
@@ -280,14 +278,6 @@ class MLXSession(Session):
         return out
 
     # -- constrained decoding (llguidance as a logits processor) ------------------------
-
-    def _llg_tokenizer(self, folder: Path) -> Any:
-        source = folder / "tokenizer.json"
-        if not source.is_file():
-            raise ConstrainedDecodingUnavailableError(
-                "MLX", f"{folder} has no tokenizer.json for llguidance",
-                hint="structured output needs a Hugging Face fast tokenizer (tokenizer.json)")
-        return tokenizer_from_json(source.read_text(encoding="utf-8"), sorted(self._eos))
 
     def check_constraint(self, constraint: Constraint) -> None:
         self._grammar.check(constraint)

@@ -99,7 +99,6 @@ from localrun.backends.logprobs import Scorer, TokenBytes, check_ids, onnx_promp
 from localrun.backends.onnx.devices import config_device, parse_device, require_build
 from localrun.errors import (
     ChatTemplateError,
-    ConstrainedDecodingUnavailableError,
     GenerationError,
     LocalrunError,
     ModelFileError,
@@ -108,8 +107,7 @@ from localrun.formats.integrity import check_onnx_genai
 from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
-from localrun.structured.engines import LazyGrammar
-from localrun.structured.grammar import tokenizer_from_json
+from localrun.structured.grammar import LazyGrammar, tokenizer_in_folder
 from localrun.types import CancelToken, Message, ModelInfo, TokenLogprob
 
 #: Prompt rows per tile of ONNX Runtime's CPU int4 matmul (MLAS ``StrideM``), counted
@@ -220,8 +218,9 @@ class OnnxGenAISession(Session):
         self.chat_template, self.bos_token, self.eos_token = \
             template.template, template.bos_token, template.eos_token
         vocab = model_cfg.get("vocab_size")
-        self._grammar = LazyGrammar("onnx", lambda: self._llg_tokenizer(path),
-                                    vocab if isinstance(vocab, int) else None)
+        self._grammar = LazyGrammar("onnx", lambda: tokenizer_in_folder(
+            path, sorted(self._eos), "ONNX Runtime GenAI"),
+            vocab if isinstance(vocab, int) else None)
         self._vocab = vocab if isinstance(vocab, int) else 2**31 - 1
         self._scorer = Scorer(TokenBytes(path / "tokenizer.json",
                                          lambda t: str(self._tok.decode([t]))))
@@ -286,14 +285,9 @@ class OnnxGenAISession(Session):
         return out
 
     # -- constrained decoding (llguidance through get_logits/set_logits) ----------------
-
-    def _llg_tokenizer(self, folder: Path) -> Any:
-        source = folder / "tokenizer.json"
-        if not source.is_file():
-            raise ConstrainedDecodingUnavailableError(
-                "ONNX Runtime GenAI", f"{folder} has no tokenizer.json for llguidance",
-                hint="structured output needs a Hugging Face fast tokenizer (tokenizer.json)")
-        return tokenizer_from_json(source.read_text(encoding="utf-8"), sorted(self._eos))
+    # ONNX Runtime GenAI has its own llguidance build (GeneratorParams.set_guidance);
+    # masking the logits here keeps one llguidance version and JSON layout for llama.cpp,
+    # MLX and ONNX alike (its cost: docs/results/structured.md)
 
     def check_constraint(self, constraint: Constraint) -> None:
         self._grammar.check(constraint)

@@ -36,9 +36,9 @@ from typing import Any
 
 from localrun.backends.base import Batcher, GenerationStats, Prompt
 from localrun.backends.logprobs import Scorer, TokenBytes
+from localrun.backends.openvino.constraints import is_openvino_grammar_error, openvino_schema_error
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
-from localrun.structured.engines import is_openvino_grammar_error, openvino_schema_error
 from localrun.types import FinishReason
 
 #: Tokens the scheduler may process in one step (prefill chunks + one per decoding

@@ -51,5 +51,5 @@ SPEC = BackendSpec(
     # f16); the CPU overhead measured as llama.cpp's (tests/test_memory_rss.py)
     memory={"cpu": EngineMemory(4, 320 * MiB), "*": EngineMemory(2)},
     default_device="cpu",
-    embedder=None,
+    embedder="localrun.backends.openvino.embeddings",
 )

@@ -65,6 +65,11 @@ from localrun.backends.hf_config import (
     trained_context,
 )
 from localrun.backends.logprobs import openvino_features
+from localrun.backends.openvino.constraints import (
+    is_openvino_grammar_error,
+    openvino_schema_error,
+    openvino_structured_config,
+)
 from localrun.errors import (
     ChatTemplateError,
     ContextOverflowError,
@@ -75,11 +80,6 @@ from localrun.formats.integrity import check_openvino_ir
 from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
-from localrun.structured.engines import (
-    is_openvino_grammar_error,
-    openvino_schema_error,
-    openvino_structured_config,
-)
 from localrun.types import CancelToken, FinishReason, Message, ModelInfo
 
 #: Files an OpenVINO GenAI LLM folder must have. A Tokenizer without its IRs

@@ -1,131 +1,23 @@
-"""How each engine enforces a :class:`Constraint` (checked with the versions in
-docs/engines.md; each hook is the engine's documented one).
+"""OpenVINO GenAI's hook for a structured-output constraint:
+``GenerationConfig.structured_output_config`` (XGrammar; ``LLMPipeline`` has no logits
+hook): ``json_schema=`` and, for ``tool_choice="auto"``, ``TriggeredTags`` (2025.3+).
 
-=================  ===========================================================  ==========
-engine             hook                                                         grammar
-=================  ===========================================================  ==========
-llama.cpp          ``Llama.generate(logits_processor=...)``: the mask is the    llguidance
-                   first sampler of the chain, before penalties and
-                   temperature; each sampled token is fed to the matcher
-MLX                ``generate_step(logits_processors=[...])``: the processor    llguidance
-                   sees every token so far (prompt included) and the logits
-ONNX Runtime       ``Generator.get_logits()``/``set_logits()`` before each      llguidance
-GenAI              ``generate_next_token()`` (the same hook as min_p)
-ExLlamaV2          a ``ExLlamaV2Filter`` that masks the logits                  llguidance
-                   (``can_mask_logits``), fed each token by the generator
-ExLlamaV3          the engine's ``LLGuidanceFilter(llg_grammar=...)``           llguidance
-                   (exllamav3 >= 1.6)
-OpenVINO GenAI     ``GenerationConfig.structured_output_config``: no logits     XGrammar
-                   hook in ``LLMPipeline``; ``json_schema=`` and, for
-                   ``tool_choice="auto"``, ``TriggeredTags`` (2025.3+)
-=================  ===========================================================  ==========
-
-ONNX Runtime GenAI also has ``GeneratorParams.set_guidance`` (its own llguidance
-build); localrun masks through ``get_logits``/``set_logits`` instead so that the
-same llguidance version and JSON layout serve llama.cpp, MLX and ONNX alike
-(measured here: about 85 vs 105 tok/s constrained, both faster than unconstrained
-sampling over the whole vocabulary). Every schema is checked with llguidance before an
-engine sees it, OpenVINO included: XGrammar silently ignores some keywords llguidance
-refuses (``uniqueItems``; it also ignores ``multipleOf``, seen with 2026.4), and refuses
-some llguidance takes (a ``pattern`` with ``\\p{L}``): those raise
-:class:`UnsupportedSchemaError` naming OpenVINO. (It refused ``minProperties`` on a
-free-form object too, until localrun gave such objects a bounded
-``additionalProperties``: :mod:`localrun.structured.bounds`.)
+Every schema is checked with llguidance before the engine sees it, as on every engine:
+XGrammar silently ignores some keywords llguidance refuses (``uniqueItems``; it also
+ignores ``multipleOf``, seen with 2026.4), and refuses some llguidance takes (a
+``pattern`` with ``\\p{L}``): those raise :class:`UnsupportedSchemaError` naming
+OpenVINO. (It refused ``minProperties`` on a free-form object too, until localrun gave
+such objects a bounded ``additionalProperties``: :mod:`localrun.structured.bounds`.)
 """
 
 from __future__ import annotations
 
-import importlib
 import json
-import threading
-from collections.abc import Callable
 from typing import Any
 
 from localrun.errors import ConstrainedDecodingUnavailableError, UnsupportedSchemaError
 from localrun.structured.bounds import bounded_schema
 from localrun.structured.constraint import Constraint
-from localrun.structured.grammar import GrammarCompiler, TokenMask
-
-
-class LazyGrammar:
-    """One model's llguidance compiler, built on first use (building llguidance's
-    tokenizer takes ~0.5 s per 50k tokens) and shared by its requests."""
-
-    def __init__(self, backend: str, make_tokenizer: Callable[[], Any],
-                 width: int | None = None) -> None:
-        self.backend = backend
-        self._make = make_tokenizer
-        self._width = width
-        self._compiler: GrammarCompiler | None = None
-        self._lock = threading.Lock()
-
-    def compiler(self) -> GrammarCompiler:
-        with self._lock:
-            if self._compiler is None:
-                self._compiler = GrammarCompiler(self._make(), self._width)
-            return self._compiler
-
-    def check(self, constraint: Constraint) -> None:
-        """Compile now (cached): schema errors before any token is generated."""
-        try:
-            self.compiler().grammar(constraint)
-        except UnsupportedSchemaError as e:
-            raise UnsupportedSchemaError(e.what, e.detail, backend=self.backend) from e
-
-    def mask(self, constraint: Constraint) -> TokenMask:
-        return self.compiler().mask(constraint, self.backend)
-
-
-# -- llama.cpp -----------------------------------------------------------------------------
-
-
-def llama_cpp_processors(mask: TokenMask) -> Any:
-    """``logits_processor=`` for ``Llama.generate``: llama-cpp-python runs it as the first
-    sampler of the chain over the whole vocabulary, in token-id order."""
-    import llama_cpp
-
-    def process(_input_ids: Any, logits: Any) -> Any:
-        return mask.apply(logits)
-
-    return llama_cpp.LogitsProcessorList([process])
-
-
-# -- MLX -----------------------------------------------------------------------------------
-
-
-def mlx_processor(mask: TokenMask, n_prompt: int) -> Callable[[Any, Any], Any]:
-    """A ``logits_processors`` entry for mlx-lm's ``generate_step``.
-
-    mlx-lm passes every token so far (the prompt too) with the logits of the next one;
-    the tokens past ``n_prompt`` the matcher has not seen yet are the ones sampled since
-    the last call. (Asking for them waits for the previous step: a grammar makes mlx's
-    look-ahead pipelining wait one step, as every constrained decoder must.)
-    """
-    import mlx.core as mx
-
-    seen = n_prompt
-    neg_inf = mx.array(float("-inf"))
-
-    def process(tokens: Any, logits: Any) -> Any:
-        nonlocal seen
-        n = int(tokens.shape[-1])
-        if n > seen:
-            mask.consume_all([int(t) for t in tokens[seen:].tolist()])
-            seen = n
-        allowed = mask.allowed()
-        width = int(logits.shape[-1])
-        if allowed.shape[0] != width:
-            import numpy as np
-
-            fit = np.zeros(width, dtype=bool)
-            fit[:min(width, allowed.shape[0])] = allowed[:width]
-            allowed = fit
-        return mx.where(mx.array(allowed), logits, neg_inf.astype(logits.dtype))
-
-    return process
-
-
-# -- OpenVINO GenAI ------------------------------------------------------------------------
 
 OPENVINO_HINT = "pip install -U 'openvino-genai>=2025.3' (StructuredOutputConfig)"
 
@@ -319,86 +211,3 @@ def openvino_schema_error(constraint: Constraint, error: BaseException) -> Unsup
     text = " ".join(str(error).split())
     parts = re.split(r"\.(?:cc|cpp|h):\d+:\s*", text)
     return UnsupportedSchemaError(constraint.label, parts[-1] or text, backend="openvino")
-
-
-# -- ExLlamaV2 / ExLlamaV3 -----------------------------------------------------------------
-
-
-def exllamav2_filter(model: Any, tokenizer: Any, mask: TokenMask) -> Any:
-    """An ``ExLlamaV2Filter`` over a llguidance mask, for ``ExLlamaV2DynamicJob(filters=)``.
-
-    It masks the logits itself (``can_mask_logits``; the generator then skips its
-    pass/end token sets) and computes the next mask on the generator's filter thread
-    (``use_background_worker``) while the GPU runs the forward pass. Completion needs no
-    end-token set: once the grammar is complete only the stop tokens remain allowed, and
-    sampling one ends the job as usual.
-    """
-    from exllamav2.generator.filters import ExLlamaV2Filter
-
-    class LLGuidanceV2Filter(ExLlamaV2Filter):  # type: ignore[misc]
-        def __init__(self) -> None:
-            super().__init__(model, tokenizer)
-            self.mask = mask
-            self._allowed: Any = None
-
-        def clone(self, c: Any = None) -> Any:
-            raise NotImplementedError("llguidance filters are per job")
-
-        def begin(self, prefix_str: str = "") -> None:
-            self.mask.matcher.reset()
-            self.mask.consumed = 0
-            self._allowed = None
-
-        def feed(self, token: Any) -> None:
-            value = token.item() if hasattr(token, "item") else token
-            self.mask.consume(int(value))
-
-        def next(self) -> Any:
-            # The sampler asks for token sets only where it cannot mask (CFG, several
-            # positions at once): the allowed ids then, and no end set (the stop
-            # tokens the grammar allows at its end end the job as usual).
-            import numpy as np
-
-            return set(np.flatnonzero(self.mask.allowed()).tolist()), set()
-
-        def use_background_worker(self) -> bool:
-            return True
-
-        def can_mask_logits(self) -> bool:
-            return True
-
-        def prepare_logit_mask(self) -> bool:
-            self._allowed = self.mask.allowed()
-            return True
-
-        def mask_logits(self, logits: Any) -> Any:
-            torch: Any = importlib.import_module("torch")
-
-            allowed = self._allowed if self._allowed is not None else self.mask.allowed()
-            self._allowed = None
-            width = int(logits.shape[-1])
-            if allowed.shape[0] != width:
-                import numpy as np
-
-                fit = np.zeros(width, dtype=bool)
-                fit[:min(width, allowed.shape[0])] = allowed[:width]
-                allowed = fit
-            logits[torch.from_numpy(~allowed)] = float("-inf")
-            return logits
-
-    return LLGuidanceV2Filter()
-
-
-def exllamav3_filter(tokenizer: Any, grammar: str) -> Any:
-    """exllamav3's own ``LLGuidanceFilter`` for a compiled llguidance grammar.
-
-    ``eos_after_completed``: without it the filter switches itself off once the grammar
-    is complete and the reply would go on unconstrained.
-    """
-    try:
-        from exllamav3.generator.filter import LLGuidanceFilter
-    except ImportError as e:
-        raise ConstrainedDecodingUnavailableError(
-            "ExLlamaV3", f"this exllamav3 has no LLGuidanceFilter ({e})",
-            hint="pip install -U 'exllamav3>=1.6'") from e
-    return LLGuidanceFilter(tokenizer, llg_grammar=grammar, eos_after_completed=True)
