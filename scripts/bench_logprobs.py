@@ -10,10 +10,17 @@ so the runs compare like with like.
 
 Target: top_logprobs=5 costs at most 10% of decode speed.
 
+``--server``: the same over ``localrun serve`` (an in-process server, as
+scripts/bench_server.py runs it, llama.cpp): streamed ``POST /v1/completions``
+(``logprobs`` null, 0, 5) and ``POST /v1/chat/completions`` (``logprobs`` off, on,
+``top_logprobs`` 5), decode tokens/s as the client reads the events (first text to last),
+so what the server adds per token — the entries in each event, their JSON — is counted.
+
     .venv/bin/python scripts/bench_logprobs.py                       # every engine
     .venv/bin/python scripts/bench_logprobs.py --backend llama.cpp --runs 7
     .venv/bin/python scripts/bench_logprobs.py --json docs/results/logprobs.json \\
         --markdown docs/results/logprobs.md
+    .venv/bin/python scripts/bench_logprobs.py --server --runs 5
 
 Models come from ~/.cache/localrun/test-models/manifest.json (scripts/make_test_models.py
 makes them; llama.cpp uses the embedded GGUF). The three modes alternate run by run, so a
@@ -136,11 +143,101 @@ def bench(backend: str, path: str, runs: int, tokens: int) -> dict[str, Any]:
     return out
 
 
+#: the server's modes: what each endpoint's request adds
+SERVER_MODES: dict[str, dict[str, dict[str, Any]]] = {
+    "completions": {"off": {}, "logprobs": {"logprobs": 0}, "top5": {"logprobs": 5}},
+    "chat": {"off": {}, "logprobs": {"logprobs": True},
+             "top5": {"logprobs": True, "top_logprobs": 5}}}
+
+
+def over_http(port: int, endpoint: str, tokens: int, options: dict[str, Any]) -> float:
+    """Decode tokens/s of one greedy streamed reply, as the client reads its events."""
+    import http.client
+
+    body: dict[str, Any] = {"model": "bench", "max_tokens": tokens, "temperature": 0,
+                            "stream": True, "stream_options": {"include_usage": True},
+                            **options}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = PROMPT
+        path = "/v1/completions"
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", path, body=json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+    first = last = 0.0
+    n = 0
+    for raw in r:
+        line = raw.strip()
+        if not line.startswith(b"data: {"):
+            continue
+        data = json.loads(line[6:])
+        choices = data["choices"]
+        text = choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get(
+            "content"))
+        if text:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+        if data.get("usage"):
+            n = data["usage"]["completion_tokens"]
+    conn.close()
+    return (n - 1) / (last - first) if n > 1 and last > first else 0.0
+
+
+def bench_server(path: str, runs: int, tokens: int) -> dict[str, Any]:
+    """llama.cpp behind an in-process ``localrun serve`` (see the module's docstring)."""
+    import threading
+    from dataclasses import replace
+
+    import localrun
+    from localrun.server.app import bind, create_app, make_server, tune_process
+    from localrun.server.config import ServerConfig
+    from localrun.server.manager import ModelManager
+    from localrun.server.metrics import Metrics
+
+    tune_process()
+    model = localrun.load(path, backend="llama.cpp", context=1024)
+    sock = bind("127.0.0.1", 0)
+    config = replace(ServerConfig(), port=sock.getsockname()[1])
+    manager = ModelManager(config, Metrics())
+    manager._register("bench", "chat", None, model, 0.0, pinned=True, size=0)
+    server = make_server(create_app(config, manager=manager), config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    out: dict[str, Any] = {"backend": "llama.cpp (served)", "runs": runs, "tokens": tokens}
+    try:
+        for endpoint, modes in SERVER_MODES.items():
+            for options in modes.values():
+                over_http(config.port, endpoint, 8, options)  # warm
+            table: dict[str, list[float]] = {m: [] for m in modes}
+            for _ in range(runs):
+                for mode, options in modes.items():
+                    table[mode].append(over_http(config.port, endpoint, tokens, options))
+            med = {m: statistics.median(v) for m, v in table.items()}
+            out[endpoint] = {m: {"tok_s": round(med[m], 2),
+                                 "cost_pct": round(100 * (1 - med[m] / med["off"]), 1)
+                                 if med["off"] else None, "all": [round(x, 2) for x in v]}
+                             for m, v in table.items()}
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        model.close()
+    return out
+
+
 def markdown(results: list[dict[str, Any]], load: tuple[float, float, float]) -> str:
     lines = ["| engine | run | off tok/s | logprobs tok/s (cost) | top_logprobs=5 tok/s (cost) |",
              "|---|---|---|---|---|"]
     for r in results:
-        for label in ("alone", "alone_cpu", "batch4"):
+        for label in ("alone", "alone_cpu", "batch4", "completions", "chat"):
             t = r.get(label)
             if t is None:
                 continue
@@ -149,7 +246,8 @@ def markdown(results: list[dict[str, Any]], load: tuple[float, float, float]) ->
             lines.append(f"| {r['backend']} | {label} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("alone: wall clock, one reply; alone_cpu: the same replies by this process's "
-                 "CPU time; batch4: 4 replies together, wall clock.")
+                 "CPU time; batch4: 4 replies together, wall clock; completions, chat: one "
+                 "streamed reply over localrun serve, as the client reads it.")
     lines.append(f"Load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
                  f"on {os.cpu_count()} CPUs; median of {results[0]['runs'] if results else 0} "
                  "runs each, modes alternating.")
@@ -164,18 +262,27 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128, help="tokens per reply")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
+    ap.add_argument("--server", action="store_true",
+                    help="measure over localrun serve (llama.cpp) instead")
     args = ap.parse_args()
     from localrun.backends import installed_backends
 
     have = set(installed_backends())
     results = []
-    for backend in args.backend or list(FIXTURES):
+    for backend in [] if args.server else args.backend or list(FIXTURES):
         path = fixture(backend)
         if backend not in have or path is None:
             print(f"{backend}: skipped (engine or fixture missing)", file=sys.stderr)
             continue
         print(f"{backend}: {path}", file=sys.stderr)
         results.append(bench(backend, path, args.runs, args.tokens))
+        print(json.dumps(results[-1]), file=sys.stderr)
+    if args.server:
+        path = fixture("llama.cpp")
+        if "llama.cpp" not in have or path is None:
+            print("llama.cpp: engine or fixture missing", file=sys.stderr)
+            return 1
+        results.append(bench_server(path, args.runs, args.tokens))
         print(json.dumps(results[-1]), file=sys.stderr)
     load = os.getloadavg()
     micro = per_token_cost()
