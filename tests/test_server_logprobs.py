@@ -230,3 +230,60 @@ def test_bad_values_are_400s_naming_the_field(srv: Running) -> None:
             assert param.split("[")[0] in error["message"], error
     status, _, raw = request("POST", srv.v1 + "/completions", {**text, "prompt": [1, 10**9]})
     assert "1000000000" in json.loads(raw)["error"]["message"]
+
+
+def test_ollama_logprobs(srv: Running, server_model: Any) -> None:
+    status, _, raw = request("POST", srv.url + "/api/generate", {
+        "model": MODEL, "prompt": PROMPT, "raw": True, "stream": False, "logprobs": True,
+        "top_logprobs": 2, "options": {"temperature": 0, "num_predict": 4}})
+    assert status == 200, raw
+    body = json.loads(raw)
+    want = server_model.complete(PROMPT, temperature=0, max_tokens=4, logprobs=True,
+                                 top_logprobs=2)
+    _close(body["logprobs"], chat_logprobs(want.logprobs)["content"])
+    assert "".join(e["token"] for e in body["logprobs"]) == body["response"]
+
+
+def test_anthropic_disable_parallel_tool_use(srv: Running) -> None:
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic client is not "
+                                    "installed (pip install -e '.[clients]')")
+    client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0,
+                                 timeout=120)
+    weather = {"name": "get_weather", "description": "Current weather in a city.",
+               "input_schema": WEATHER["function"]["parameters"]}
+    r = client.messages.create(
+        model=MODEL, max_tokens=60, tools=[weather], extra_body={"temperature": 0},
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=[{"role": "user", "content": "Weather in Paris and in Oslo?"}])
+    calls = [b for b in r.content if b.type == "tool_use"]
+    assert r.stop_reason == "tool_use" and len(calls) == 1
+
+
+def test_an_engine_without_the_option_is_a_400_naming_it() -> None:
+    """OpenVINO GenAI reports the chosen tokens' log probabilities but not the most
+    likely ones, echo or token ids: a request for them is a 400 naming the field as the
+    endpoint spells it (legacy Completions' ``logprobs: k``), before any token."""
+    import importlib.util
+
+    if importlib.util.find_spec("openvino_genai") is None:
+        pytest.skip("OpenVINO GenAI is not installed (pip install -e '.[openvino]')")
+    import localrun
+    from tests.models import test_model
+    from tests.serverutil import serve
+
+    with localrun.load(str(test_model("openvino-int4")), backend="openvino",
+                       context=512) as model, serve(preload={"ov": model}) as s:
+        if "top" in model._session.features:
+            pytest.skip("this OpenVINO GenAI reports the most likely tokens too")
+        for path, body, param in (
+                ("/completions", {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+                ("/completions", {"prompt": PROMPT, "echo": True, "max_tokens": 0}, "echo"),
+                ("/chat/completions", {"messages": Q, "logprobs": True, "top_logprobs": 2},
+                 "top_logprobs")):
+            status, _, raw = request("POST", s.v1 + path, {"model": "ov", "max_tokens": 2,
+                                                           **body})
+            error = json.loads(raw)["error"]
+            assert status == 400 and error["param"] == param, raw
+            assert error["code"] == "unsupported_parameter" and "openvino" in error["message"]
+        ok = model.complete(PROMPT, max_tokens=2, logprobs=True)  # what it does report
+        assert ok.logprobs
