@@ -287,3 +287,22 @@ def test_an_engine_without_the_option_is_a_400_naming_it() -> None:
             assert error["code"] == "unsupported_parameter" and "openvino" in error["message"]
         ok = model.complete(PROMPT, max_tokens=2, logprobs=True)  # what it does report
         assert ok.logprobs
+
+
+def test_n_choices_of_a_preset_answer_as_the_preset(srv: Running, monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Any) -> None:
+    """A preset's system prompt and sampling apply to each of its several choices, as
+    to its one reply."""
+    monkeypatch.setenv("LOCALRUN_HOME", str(tmp_path / "home"))
+    status, _, raw = request("POST", srv.url + "/api/create", {
+        "model": "terse", "from": MODEL, "system": "Reply with one word only.",
+        "parameters": {"temperature": 0}, "stream": False})
+    assert status == 200, raw
+    ask = {"model": "terse", "messages": Q, "max_tokens": 6}
+    _, _, one = request("POST", srv.v1 + "/chat/completions", ask)
+    _, _, two = request("POST", srv.v1 + "/chat/completions", {**ask, "n": 2})
+    want = json.loads(one)["choices"][0]["message"]["content"]
+    assert [c["message"]["content"] for c in json.loads(two)["choices"]] == [want, want]
+    _, _, plain = request("POST", srv.v1 + "/chat/completions", {
+        **ask, "model": MODEL, "temperature": 0})
+    assert json.loads(plain)["choices"][0]["message"]["content"] != want  # the prompt told

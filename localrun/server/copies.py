@@ -286,5 +286,9 @@ class PresetModel:
     def batch(self, items: Iterable[Any], **kwargs: Any) -> Any:
         return self.model.batch(self.preset.batch_items(items), **self._sampling(kwargs))
 
+    def batch_iter(self, items: Iterable[Any], **kwargs: Any) -> Any:
+        """As :meth:`batch`, each result as it ends (a request's several choices)."""
+        return self.model.batch_iter(self.preset.batch_items(items), **self._sampling(kwargs))
+
     def count_prompt_tokens(self, messages: Any, **kwargs: Any) -> int:
         return int(self.model.count_prompt_tokens(self._conversation(messages), **kwargs))
