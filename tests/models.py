@@ -5,6 +5,10 @@
 
 Formats: gguf-q4_1, gguf-q8_0 (files), hf, mlx-4bit, openvino-int4, onnx-int4 (folders);
 the embedding model all-MiniLM-L6-v2 as minilm-gguf (a file) and minilm-openvino.
+LoRA adapters for SmolLM2 (random, two seeds: a and b): lora-gguf, lora-gguf-b (files),
+lora-peft, lora-peft-b, lora-mlx (folders). A tiny random Qwen2.5-VL: vl-hf, vl-gguf (a
+folder: the text GGUF and its mmproj), vl-openvino (folders). How each is made:
+scripts/fixtures_lora_vl.py.
 
 The models live outside the repo (``$LOCALRUN_TEST_MODELS`` or
 ``~/.cache/localrun/test-models``), listed in ``manifest.json`` there. The script is run
@@ -28,7 +32,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "make_test_models.py"
 FORMATS = ("gguf-q4_1", "gguf-q8_0", "hf", "mlx-4bit", "openvino-int4", "onnx-int4",
-           "minilm-gguf", "minilm-openvino")
+           "minilm-gguf", "minilm-openvino",
+           "lora-peft", "lora-peft-b", "lora-gguf", "lora-gguf-b", "lora-mlx",
+           "vl-hf", "vl-gguf", "vl-openvino")
 BUILD_HINT = "run python scripts/make_test_models.py"
 
 #: the one build attempt of this session: None = not tried, "" = ok, else why it failed

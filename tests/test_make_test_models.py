@@ -85,6 +85,58 @@ def test_only_adds_what_a_format_is_built_from() -> None:
         mtm.parse_only("safetensors")
 
 
+def test_lora_and_vl_fixtures_are_built_by_default_and_selectable() -> None:
+    new = ("lora-peft", "lora-peft-b", "lora-gguf", "lora-gguf-b", "lora-mlx", "vl-hf",
+           "vl-gguf", "vl-openvino")
+    assert set(new) <= set(mtm.parse_only(None))  # the default run (CI's) builds them
+    assert mtm.with_needs(["lora-gguf"]) == ["hf", "lora-peft", "lora-gguf"]
+    assert mtm.with_needs(["lora-gguf-b"]) == ["hf", "lora-peft-b", "lora-gguf-b"]
+    assert mtm.with_needs(["lora-mlx"]) == ["hf", "lora-peft", "lora-mlx"]
+    assert mtm.with_needs(["vl-openvino"]) == ["hf", "vl-hf", "vl-openvino"]
+    assert mtm.parse_only("vl-gguf,lora-gguf-b") == ["lora-gguf-b", "vl-gguf"]
+    for fmt in new:  # every input is built before what it feeds
+        assert all(mtm.FORMATS.index(n) < mtm.FORMATS.index(fmt) for n in mtm.NEEDS[fmt])
+
+
+@pytest.mark.parametrize(("fmt", "change"), [
+    ("lora-gguf", {"lora": {**mtm.extra.LORA, "seeds": {"lora-peft": 3, "lora-peft-b": 2}}}),
+    ("lora-peft", {"lora": {**mtm.extra.LORA, "rank": 16}}),
+    ("lora-mlx", {"lora": {**mtm.extra.LORA, "std_b": 0.1}}),
+    ("vl-hf", {"vl": {**mtm.extra.VL, "seed": 1}}),
+    ("vl-gguf", {"vl": {**mtm.extra.VL, "vision": {**mtm.extra.VL["vision"], "depth": 5}}}),
+    ("vl-openvino", {"optimum": ("optimum-intel==2.3.0",)}),
+])
+def test_fixture_key_changes_with_its_recipe(fmt: str, change: dict[str, object]) -> None:
+    key = mtm.extra.fixture_key(fmt, "0123456789abcdef")
+    assert mtm.KEY_RE.match(key)
+    assert mtm.extra.fixture_key(fmt, "0123456789abcdef", **change) != key
+    assert mtm.extra.fixture_key(fmt, "fedcba9876543210") != key  # source or converters
+
+
+def test_fixture_key_ignores_other_recipes() -> None:
+    key = mtm.extra.fixture_key("vl-gguf", "0123456789abcdef")
+    assert mtm.extra.fixture_key("vl-gguf", "0123456789abcdef",
+                                 lora={**mtm.extra.LORA, "rank": 4}) == key
+    assert mtm.extra.fixture_key("vl-gguf", "0123456789abcdef", optimum=("x==1",)) == key
+
+
+def test_a_fixture_with_a_stale_recipe_is_not_built(tmp_path: Path) -> None:
+    key_dir = tmp_path / "0123456789abcdef"
+    folder = key_dir / "lora-peft"
+    folder.mkdir(parents=True)
+    for m in mtm.MARKERS["lora-peft"]:
+        (folder / m).write_text("{}")
+    src = tmp_path / "src.gguf"
+    src.write_bytes(b"GGUF")
+    assert not mtm.is_built(key_dir, "lora-peft", src)  # no fixture.json
+    mtm.extra.write_stamp(folder, "lora-peft", key_dir.name)
+    assert mtm.is_built(key_dir, "lora-peft", src)
+    stamp = json.loads((folder / "fixture.json").read_text())
+    (folder / "fixture.json").write_text(json.dumps({**stamp, "key": "0" * 16}))
+    assert not mtm.is_built(key_dir, "lora-peft", src)  # another recipe's: rebuilt
+    assert mtm.model_path(key_dir, "lora-gguf", src).name.endswith(".gguf")
+
+
 def test_check_on_an_empty_cache_fails_and_builds_nothing(tmp_path: Path) -> None:
     env = {**os.environ, "LOCALRUN_TEST_MODELS": str(tmp_path)}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--check"], env=env,
@@ -119,10 +171,19 @@ EXPECTED = {
     "onnx-int4": ("onnx", "int4"),
     "minilm-gguf": ("gguf", "F16"),
     "minilm-openvino": ("openvino", None),
+    "vl-hf": ("hf", None),
+    "vl-gguf": ("gguf", "F16"),  # the folder: its text model (the mmproj beside it)
+    "vl-openvino": ("openvino", None),
 }
+#: adapters, not models (tests/test_fixtures_lora_vl.py checks them on the engines)
+ADAPTERS = ("lora-peft", "lora-peft-b", "lora-gguf", "lora-gguf-b", "lora-mlx")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_fixture_is_a_model_or_an_adapter() -> None:
+    assert sorted([*EXPECTED, *ADAPTERS]) == sorted(FORMATS)
+
+
+@pytest.mark.parametrize("fmt", list(EXPECTED))
 def test_fixture_model_detects_as_its_format(fmt: str) -> None:
     path = test_model(fmt)
     found = detect(path)
@@ -154,6 +215,22 @@ def test_manifest_lists_every_model_with_its_versions() -> None:
         assert name in versions
     assert versions["torch"].startswith("2.13.0")
     assert "recipe" in versions and "source_sha256" in versions
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f in mtm.extra.FORMATS])
+def test_lora_and_vl_fixtures_are_listed_with_their_recipe(fmt: str) -> None:
+    path = test_model(fmt)
+    manifest = read_manifest()
+    assert manifest is not None
+    folder = path if path.is_dir() else path.parent
+    assert folder == models_root() / manifest["key"] / fmt
+    stamp = json.loads((folder / "fixture.json").read_text())
+    assert stamp["format"] == fmt
+    assert stamp["key"] == mtm.extra.fixture_key(fmt, manifest["key"])
+    assert all((folder / m).is_file() for m in mtm.MARKERS[fmt])
+    if fmt == "vl-openvino":
+        assert manifest["versions"]["vl-openvino exporter (venv-optimum)"] == " ".join(
+            mtm.extra.OPTIMUM_REQUIREMENTS)
 
 
 def test_warm_run_does_nothing_quickly() -> None:
