@@ -188,6 +188,9 @@ def test_lora_mlx_is_the_peft_adapter_transposed() -> None:
 
 # --- images on llama.cpp (mtmd) ------------------------------------------------------------
 
+_QUIET: Any = None
+
+
 @pytest.fixture(scope="module")
 def vl_llama() -> Iterator[Any]:
     needs("llama_cpp", "llama-cpp")
@@ -200,20 +203,19 @@ def vl_llama() -> Iterator[Any]:
     text = folder / "Tiny-Qwen2.5-VL.F16.gguf"
     mmproj = folder / "mmproj-Tiny-Qwen2.5-VL.F16.gguf"
 
-    @llama_cpp.llama_log_callback
-    def quiet(level: int, text: bytes, user_data: Any) -> None:
-        pass
-
-    # mtmd ignores verbose=False: its own log callbacks silence it (kept alive below)
-    mtmd_cpp.mtmd_log_set(quiet, None)
-    mtmd_cpp.mtmd_helper_log_set(quiet, None)
+    # mtmd ignores verbose=False: its own log callbacks silence it. The callback must
+    # outlive every later mtmd call of this process: it is kept in a global, never freed.
+    global _QUIET
+    if _QUIET is None:
+        _QUIET = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+    mtmd_cpp.mtmd_log_set(_QUIET, None)
+    mtmd_cpp.mtmd_helper_log_set(_QUIET, None)
     handler = MTMDChatHandler(clip_model_path=str(mmproj), verbose=False)
     llm = Llama(str(text), chat_handler=handler, n_ctx=2048, verbose=False, seed=0)
     try:
         yield llm
     finally:
         llm.close()  # explicitly: Llama.__del__ -> mtmd_free raises at interpreter exit
-        del quiet
 
 
 def _mtmd_chat(llm: Any, content: Any) -> tuple[str, int]:
