@@ -261,6 +261,14 @@ def test_bad_thinking_values_are_4xx_naming_the_field(srv: Running) -> None:
         body = json.loads(raw)
         assert status == 400 and body["error"]["type"] == "invalid_request_error", raw
         assert words in body["error"]["message"], raw
+    # ... in Anthropic's words, found once the model is known (a reply and a count alike)
+    for path, extra in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {})):
+        status, _, raw = request("POST", srv.url + path, {
+            "model": MODEL, "messages": Q, "thinking": {"type": "enabled", "budget_tokens": 16},
+            **extra})
+        message = json.loads(raw)["error"]["message"]
+        assert status == 400 and "'thinking.budget_tokens'" in message, raw
+        assert "does not think" in message
     for path, body in (("/api/chat", {"model": THINKER, "messages": Q, "think": "huge"}),
                        ("/api/generate", {"model": THINKER, "prompt": "x", "raw": True,
                                           "think": True})):

@@ -13,9 +13,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from localrun.server.errors import APIError
 from localrun.server.jobs import Job
 from localrun.server.protocol import anthropic as an
-from localrun.server.protocol.common import Generation, dump, parse, respond
+from localrun.server.protocol.common import Generation, dump, parse, renamed, respond
 from localrun.server.protocol.spec import operation
 
 router = APIRouter()
@@ -43,8 +44,10 @@ async def count_tokens(request: Request) -> Any:
     # prompt is rendered (its tools, its thinking switch)
     gen = Generation(req.model, messages=req.conversation(), structured=req.structured(),
                      reasoning=req.reasoning(), names=an.NAMES).check()
-    _, n = await Job.call(request, "count_tokens", req.model,
-                          lambda h: h.count_prompt_tokens(gen.messages, **gen.structured,
-                                                          **gen.reasoning),
-                          param="messages")
+    try:
+        _, n = await Job.call(request, "count_tokens", req.model,
+                              lambda h: h.count_prompt_tokens(gen.messages, **gen.structured,
+                                                              **gen.reasoning))
+    except APIError as e:  # thinking asked of a model that does not think
+        raise renamed(e, an.NAMES) from None
     return JSONResponse(dump(an.TokenCount(input_tokens=n)))

@@ -372,6 +372,17 @@ def _refuses(prepare: Callable[..., Any], response_format: Any) -> bool:
 
 # -- answering ---------------------------------------------------------------------------
 
+def renamed(error: Any, names: Mapping[str, str]) -> Any:
+    """``error`` (an APIError) about one of the library's options (``thinking_budget``,
+    ``top_logprobs``) found once the model is known, naming the dialect's field instead
+    (Anthropic's ``thinking.budget_tokens``, legacy Completions' ``logprobs``)."""
+    name = names.get(error.param or "")
+    if name and name != error.param:
+        error.param = name
+        error.message = f"Invalid '{name}': {error.message}"
+    return error
+
+
 def dump(value: Any) -> Any:
     """A response model as the JSON it sends (only the fields it was given)."""
     if isinstance(value, BaseModel):
@@ -397,10 +408,8 @@ async def respond(request: Any, endpoint: str, gen: Generation,
         job, first = await Job.generate(request, endpoint, gen.model, gen.call,
                                         context=gen.context, keep_alive=gen.keep_alive,
                                         stream=gen.stream)
-    except APIError as e:  # an option the engine lacks, named as the dialect names it
-        if e.param is not None and e.param in gen.names:
-            e.param = gen.names[e.param]
-        raise
+    except APIError as e:  # an option the model or engine lacks, named as the dialect does
+        raise renamed(e, gen.names) from None
     if gen.stream:
         headers = SSE_HEADERS if media_type == "text/event-stream" else None
         return StreamingResponse(job.pump(first, wire(job)), media_type=media_type,
