@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from localrun.backends.spec import OVERHEAD_FIXED, EngineMemory
+from localrun.backends.spec import OVERHEAD_FIXED, BackendSpec, EngineMemory
 from localrun.formats.gguf import GGUFMetadata
 
 #: Proportional cost: scratch buffers grow with the model.
@@ -36,19 +36,23 @@ MiB = 2**20
 UNKNOWN_ENGINE = EngineMemory(KV_BYTES)
 
 
-def engine_memory(backend: str | None, device: str | None = None) -> EngineMemory:
-    """What ``backend`` allocates on ``device`` ("cpu", "CPU", "GPU.1", "cuda:0",
-    "metal", ...; None: the engine's default device) besides its weights: the row its
-    own facts give (``BackendSpec.memory``), else :data:`UNKNOWN_ENGINE`."""
-    # the engine table is pure data (each engine's facts.py), read here by name
-    from localrun.backends import BACKENDS
-
-    spec = BACKENDS.get(backend) if backend is not None else None
+def memory_row(spec: BackendSpec | None, device: str | None = None) -> EngineMemory:
+    """What the engine ``spec`` describes allocates on ``device`` ("cpu", "CPU", "GPU.1",
+    "cuda:0", "metal", ...; None: its default device) besides its weights: the row of its
+    own facts (``BackendSpec.memory``), else :data:`UNKNOWN_ENGINE`."""
     if spec is None:
         return UNKNOWN_ENGINE
     kind = re.split(r"[:.]", device.strip().lower(), maxsplit=1)[0] if device else \
         spec.default_device
     return spec.memory.get(kind) or spec.memory.get("*") or UNKNOWN_ENGINE
+
+
+def engine_memory(backend: str | None, device: str | None = None) -> EngineMemory:
+    """:func:`memory_row` of the engine named ``backend`` (the planner's and the server's
+    way in, by name: the engine table is pure data, each engine's facts.py)."""
+    from localrun.backends import BACKENDS
+
+    return memory_row(BACKENDS.get(backend) if backend is not None else None, device)
 
 
 def kv_element_bytes(engine: EngineMemory, shape: ModelShape | None) -> int:
@@ -129,10 +133,12 @@ def kv_cache_bytes(shape: ModelShape, context: int, kv_bytes: float = KV_BYTES) 
 
 
 def estimate(weights_bytes: int, shape: ModelShape | None, context: int, *,
-             backend: str | None = None, device: str | None = None) -> MemoryEstimate:
+             backend: str | None = None, device: str | None = None,
+             engine: EngineMemory | None = None) -> MemoryEstimate:
     """Bytes to run the model at ``context`` on ``backend`` (on ``device``): the KV cache
-    in the element size that engine allocates there, its overhead (:func:`engine_memory`)."""
-    eng = engine_memory(backend, device)
+    in the element size that engine allocates there, its overhead (:func:`engine_memory`;
+    an engine sizing itself passes its own row as ``engine``)."""
+    eng = engine if engine is not None else engine_memory(backend, device)
     kv = kv_cache_bytes(shape, context, kv_element_bytes(eng, shape)) if shape else 0
     return MemoryEstimate(weights_bytes, kv, overhead_bytes(weights_bytes, eng.overhead_fixed),
                           context, kv_known=shape is not None)

@@ -79,7 +79,7 @@ def story_prompts(session: Any, n: int, length: int) -> list[Any]:
 def pin_threads(session: Any, threads: int) -> None:
     """The session's context, and its batcher's, on ``threads`` for prompts too
     (llama-cpp-python's default for prompts is every CPU)."""
-    session._lc.llama_set_n_threads(session._ctx_ptr, threads, threads)
+    session._engine.lc.llama_set_n_threads(session._engine.ctx, threads, threads)
     batcher = session.batcher()
     if batcher is not None:
         batcher._threads = dict.fromkeys(("decode", "prefill"), (threads, threads))
@@ -93,7 +93,7 @@ def in_turn(session: Any, prompts: list[Any], tokens: int) -> Run:
     made = 0
     wall, cpu = time.perf_counter(), time.process_time()
     for p in prompts:
-        session._llm.reset()  # no prefix reuse between the stories
+        session._engine.llm.reset()  # no prefix reuse between the stories
         stats = GenerationStats()
         for _ in session.generate(p, greedy(tokens), CancelToken(), stats):
             pass
@@ -191,9 +191,9 @@ def main() -> None:
     t = args.threads
     session = LlamaCppSession(LoadRequest(path=path, format="gguf", context=args.context,
                                           threads=t))
-    params = session._llm.context_params
+    params = session._engine.llm.context_params
     flash = {-1: "auto", 0: "off", 1: "on"}.get(int(params.flash_attn_type), "auto")
-    batcher = LlamaCppBatcher(session, max(args.levels), args.context)
+    batcher = LlamaCppBatcher(session.engine, max(args.levels), args.context)
     session._batcher = batcher
     pin_threads(session, t)
     calibrated = batcher.calibrate(repeats=5)

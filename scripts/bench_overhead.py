@@ -249,7 +249,7 @@ def available(backend: str) -> str | None:
 
 def measure(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     import localrun
-    from localrun.backends.llama_cpp.session import default_threads
+    from localrun.backends.llama_cpp.devices import default_threads
 
     path = model_path(backend)
     assert path is not None

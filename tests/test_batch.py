@@ -455,7 +455,7 @@ def test_openvino_batched_at_default_precision(openvino_model: Any) -> None:
 def test_openvino_batch_properties() -> None:
     """The KV cache's element type on the CPU: paged attention (the batching pipeline)
     takes the compute precision unless told otherwise; LLMPipeline (SDPA) f32."""
-    from localrun.backends.openvino.session import cpu_kv_precision
+    from localrun.backends.openvino.devices import cpu_kv_precision
 
     def kv(paged: bool = True, **props: str) -> str:
         return cpu_kv_precision(props, paged)

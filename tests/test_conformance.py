@@ -89,7 +89,7 @@ def _engine_count(backend: str, model: Any, rendered: str) -> int:
     """Tokens of the rendered conversation, counted by the engine's own tokenizer."""
     s = model._session
     if backend == "llama.cpp":
-        return len(s._llm.tokenize(rendered.encode(), add_bos=False, special=True))
+        return len(s._engine.llm.tokenize(rendered.encode(), add_bos=False, special=True))
     if backend == "mlx":
         return len(s._tok.encode(rendered, add_special_tokens=False))
     if backend == "openvino":

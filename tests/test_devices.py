@@ -27,7 +27,8 @@ from localrun.backends import (
     installed_build,
     is_installed,
 )
-from localrun.backends.base import LoadRequest, Prompt, Session, check_options
+from localrun.backends.base import LoadRequest, Prompt, Session
+from localrun.backends.options import check_options
 from localrun.errors import (
     ContextOverflowError,
     EngineUnavailableError,
@@ -203,8 +204,9 @@ def test_every_onnx_distribution_counts_as_installed(monkeypatch: pytest.MonkeyP
                                                      dists: dict[str, str],
                                                      version: str | None) -> None:
     import localrun.backends
+    from localrun.backends import installed
 
-    monkeypatch.setattr(localrun.backends, "metadata", FakeMetadata(dists))
+    monkeypatch.setattr(installed, "metadata", FakeMetadata(dists))
     assert engine_version("onnx") == version
     assert is_installed("onnx") is (version is not None)
     assert ("onnx" in localrun.backends.installed_backends()) is (version is not None)
@@ -260,13 +262,13 @@ def onnx_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
 @requires_onnx
 def test_onnx_device_index_goes_to_the_provider_options(
         onnx_calls: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch) -> None:
-    import localrun.backends
+    from localrun.backends import installed
     from localrun.backends.onnx import session as onnx_genai
 
     path = test_model("onnx-int4")
     # as with onnxruntime-genai-cuda installed; this CPU engine then fails to create the
     # CUDA session, after the provider calls (the engine's own source: SetProviderOption)
-    monkeypatch.setattr(localrun.backends, "metadata",
+    monkeypatch.setattr(installed, "metadata",
                         FakeMetadata({"onnxruntime-genai-cuda": "0.18.0"}))
     with pytest.raises(LocalrunError):
         onnx_genai.BACKEND.load(LoadRequest(str(path), "onnx", device="cuda:1"))
@@ -315,7 +317,7 @@ def test_onnx_reports_the_device_genai_config_picks(tmp_path: Path) -> None:
 
 
 def test_npu_lengths_fill_the_context() -> None:
-    from localrun.backends.openvino.session import npu_lengths
+    from localrun.backends.openvino.devices import npu_lengths
 
     assert npu_lengths(8192, {}) == (7168, 1024)
     assert npu_lengths(4096, {}) == (3072, 1024)
@@ -376,7 +378,7 @@ def test_npu_gets_prompt_and_response_lengths_from_the_context(
 
 @requires_openvino
 def test_openvino_device_names(ov_pipelines: list[tuple[str, str, dict[str, Any]]]) -> None:
-    from localrun.backends.openvino.session import ov_device
+    from localrun.backends.openvino.devices import ov_device
 
     assert [ov_device(d) for d in (None, "cpu", "gpu", "GPU.1", "gpu:1", "npu", "AUTO:GPU,CPU")
             ] == ["CPU", "CPU", "GPU", "GPU.1", "GPU.1", "NPU", "AUTO:GPU,CPU"]
@@ -393,7 +395,7 @@ def test_every_backend_lists_its_options(backend: str) -> None:
     assert isinstance(opts, dict)
     if backend in ENGINE_OPTIONS:
         with pytest.raises(UnknownOptionError) as info:
-            check_options(backend, {"no_such_option": 1})
+            check_options(BACKENDS[backend], {"no_such_option": 1})
         hint = info.value.hint or ""
         assert all(name in hint for name in opts) if opts else "takes no engine options" in hint
     else:  # ExLlamaV2/V3 validate with their own table (localrun.backends.exllama.options)
@@ -431,12 +433,12 @@ def test_llama_kv_cache_choices_are_the_types_it_maps() -> None:
 
 
 def test_option_values_are_checked() -> None:
-    assert check_options("llama.cpp", {"flash_attn": "auto", "kv_cache": "Q8_0",
+    assert check_options(BACKENDS["llama.cpp"], {"flash_attn": "auto", "kv_cache": "Q8_0",
                                        "tensor_split": (3, 1)}) == {
         "flash_attn": "auto", "kv_cache": "q8_0", "tensor_split": [3.0, 1.0]}
     for bad in ({"flash_attn": "maybe"}, {"kv_cache": "q5"}, {"n_gpu_layers": 1.5},
                 {"use_mmap": "yes"}, {"tensor_split": [1, -1]}):
         with pytest.raises(InvalidOptionError):
-            check_options("llama.cpp", bad)
-    assert check_options("openvino", {"PERFORMANCE_HINT": "latency"}) == {
+            check_options(BACKENDS["llama.cpp"], bad)
+    assert check_options(BACKENDS["openvino"], {"PERFORMANCE_HINT": "latency"}) == {
         "PERFORMANCE_HINT": "LATENCY"}

@@ -1,9 +1,10 @@
-"""No import cycles inside localrun/ (issue 12, Deliver 7).
+"""No import cycles inside localrun/ (issue 12, Deliver 7; issue 29: counting every import).
 
 The graph is read from the source, not from a running interpreter: every
-``import`` and ``from ... import`` in every localrun/**/*.py, at module level and inside
-functions alike (an import inside a function is a cycle that waits for its first call),
-except under ``if TYPE_CHECKING:`` (annotations only, never run). An edge goes to the
+``import`` and ``from ... import`` in every localrun/**/*.py, at module level, inside
+functions (an import inside a function is a cycle that waits for its first call) and
+under ``if TYPE_CHECKING:`` alike (two modules that need each other's names, even for
+annotations only, are one module's worth of design split in two). An edge goes to the
 module named; ``from pkg import name`` goes to ``pkg.name`` when that is a module, else to
 ``pkg``. Dynamic imports (``importlib.import_module``) are not seen.
 """
@@ -35,23 +36,21 @@ def module_name(path: Path, root: Path = ROOT) -> str:
     return ".".join(parts)
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+#: Cycles outside what issue 29's engine restructure touched, known and tolerated until
+#: issue 29's second part (29B) removes them; each is the sorted list of its modules.
+#: Empty this list, never add to it.
+ALLOWED: list[list[str]] = [
+    # server/loaded.py names ModelManager in annotations (under TYPE_CHECKING) and
+    # server/manager.py imports loaded.py: the loaded-model records and their manager
+    ["localrun.server.loaded", "localrun.server.manager"],
+]
 
 
 def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: all but the bodies of ``if TYPE_CHECKING:``."""
-    stack: list[ast.AST] = [tree]
-    while stack:
-        node = stack.pop()
+    """Every import statement: module level, in functions, under ``if TYPE_CHECKING:``."""
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-            continue
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)  # the else branch runs
-            continue
-        stack.extend(ast.iter_child_nodes(node))
 
 
 def edges(root: Path = ROOT, package: str = PACKAGE) -> list[Edge]:
@@ -136,14 +135,20 @@ def describe(component: list[str], graph_edges: list[Edge]) -> str:
 
 def test_no_import_cycles() -> None:
     graph_edges = edges()
-    found = cycles(graph_edges)
+    found = [c for c in cycles(graph_edges) if c not in ALLOWED]
     assert not found, "import cycles in localrun/:\n" + "\n".join(
         describe(c, graph_edges) for c in found)
 
 
+def test_the_allowed_cycles_still_exist() -> None:
+    """An allowed cycle that is gone leaves the list: it only ever shrinks."""
+    found = cycles(edges())
+    assert [c for c in ALLOWED if c not in found] == []
+
+
 def test_the_walker_sees_what_it_must(tmp_path: Path) -> None:
-    """The checker itself: function-level imports count, TYPE_CHECKING ones do not,
-    relative imports resolve, and a cycle is found and named with its lines."""
+    """The checker itself: function-level and TYPE_CHECKING imports count (and an else
+    branch's), relative imports resolve, and a cycle is found and named with its lines."""
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -154,11 +159,16 @@ def test_the_walker_sees_what_it_must(tmp_path: Path) -> None:
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import d\n"
         "else:\n    from .. import a\n")
     (pkg / "d.py").write_text("from pkg.sub.c import x\n")
+    (pkg / "e.py").write_text("from typing import TYPE_CHECKING\n"
+                              "if TYPE_CHECKING:\n    from pkg import f\n")
+    (pkg / "f.py").write_text("def g():\n    import pkg.e\n")
     got = edges(tmp_path, "pkg")
     assert {(e.source, e.target) for e in got} == {
         ("pkg.a", "pkg.b"), ("pkg.b", "pkg.sub.c"), ("pkg.sub.c", "pkg.a"),
-        ("pkg.d", "pkg.sub.c")}
+        ("pkg.sub.c", "pkg.d"), ("pkg.d", "pkg.sub.c"), ("pkg.e", "pkg.f"),
+        ("pkg.f", "pkg.e")}
     found = cycles(got)
-    assert found == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+    assert found == [["pkg.a", "pkg.b", "pkg.d", "pkg.sub.c"], ["pkg.e", "pkg.f"]]
     text = describe(found[0], got)
     assert "pkg/b.py:2 imports pkg.sub.c" in text and "pkg/sub/c.py:5 imports pkg.a" in text
+    assert "pkg/sub/c.py:3 imports pkg.d" in text  # under TYPE_CHECKING: it counts

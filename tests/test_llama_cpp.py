@@ -47,7 +47,7 @@ def test_prompt_tokens_match_tokenizer(llama_model: Any) -> None:
     rendered = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
                 "Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     c = llama_model.chat("Hi", max_tokens=1)
-    engine = llama_model._session._llm  # the engine's own tokenizer, special tokens parsed
+    engine = llama_model._session._engine.llm  # the engine's own tokenizer, special tokens parsed
     assert c.usage.prompt_tokens == len(engine.tokenize(rendered.encode(), add_bos=False,
                                                         special=True))
 
@@ -256,7 +256,7 @@ class LlamaRecorder:
 def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     import llama_cpp
 
-    from localrun.backends.llama_cpp import session as backend
+    from localrun.backends.llama_cpp import devices as backend
 
     LlamaRecorder.calls = []
     monkeypatch.setattr(llama_cpp, "Llama", LlamaRecorder)
@@ -288,7 +288,7 @@ def test_several_gpus_split_layers_by_free_vram(default_gguf: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     import llama_cpp
 
-    from localrun.backends.llama_cpp import session as backend
+    from localrun.backends.llama_cpp import devices as backend
 
     monkeypatch.setattr(backend, "free_vram", lambda kind, indices: [6 * 2**30, 2 * 2**30])
     with localrun.load(str(default_gguf), device="cuda:2,0", context=256):
@@ -301,7 +301,7 @@ def test_several_gpus_split_layers_by_free_vram(default_gguf: Path,
 def test_model_larger_than_free_vram_is_partly_offloaded(
         default_gguf: Path, recorded: list[dict[str, Any]],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from localrun.backends.llama_cpp import session as backend
+    from localrun.backends.llama_cpp import devices as backend
     from localrun.memory import overhead_bytes
 
     size = default_gguf.stat().st_size
@@ -336,12 +336,12 @@ def test_flash_attention_follows_llama_server(default_gguf: Path,
     with localrun.load(str(default_gguf), context=256) as m:
         # llama-cpp-python 0.3.x maps the bool to enabled/disabled (no "auto"): auto = on
         assert recorded[-1]["flash_attn"] is True
-        ctx = m._session._llm.context_params
+        ctx = m._session._engine.llm.context_params
         assert ctx.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         assert m.chat("What is 2+2?", **GREEDY).finish_reason == "stop"
     with localrun.load(str(default_gguf), context=256, flash_attn=False) as m:
         assert recorded[-1]["flash_attn"] is False
-        ctx = m._session._llm.context_params
+        ctx = m._session._engine.llm.context_params
         assert ctx.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     # a quantized KV cache (it needs flash attention) loads and answers
     with localrun.load(str(default_gguf), context=256, kv_cache="q8_0") as m:
@@ -353,7 +353,7 @@ def test_flash_attention_follows_llama_server(default_gguf: Path,
 
 def test_auto_flash_attention_on_a_tristate_binding(default_gguf: Path) -> None:
     """A llama-cpp-python that takes flash_attn_type gets llama.cpp's own AUTO."""
-    from localrun.backends.llama_cpp.session import placement
+    from localrun.backends.llama_cpp.devices import placement
     from localrun.formats.gguf import read_gguf
 
     gguf = read_gguf(default_gguf)
@@ -383,5 +383,5 @@ def test_threads_caps_prompt_threads_too(default_gguf: Path) -> None:
     """``threads=1`` is one thread for prompts as well as for decoding (llama.cpp's own
     ``-t``); left alone, llama-cpp-python would give prompts every logical CPU."""
     with localrun.load(str(default_gguf), backend="llama.cpp", context=512, threads=1) as m:
-        params = m._session._llm.context_params
+        params = m._session._engine.llm.context_params
         assert (params.n_threads, params.n_threads_batch) == (1, 1)

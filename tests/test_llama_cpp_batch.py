@@ -56,7 +56,7 @@ def batcher(session: Any) -> Iterator[Any]:
     this machine): the batched path is the one under test."""
     from localrun.backends.llama_cpp.batcher import LlamaCppBatcher
 
-    b = LlamaCppBatcher(session, 4, CONTEXT, together=2)
+    b = LlamaCppBatcher(session.engine, 4, CONTEXT, together=2)
     yield b
     b.close()
 
@@ -69,7 +69,7 @@ def chat(session: Any, text: str, system: str | None = None) -> Prompt:
 def alone(session: Any, prompt: Prompt, s: ResolvedSampling) -> tuple[str, GenerationStats]:
     """The single path: Session.generate, llama-cpp-python's Llama.generate, from a clean
     context (its own prefix match off: the reference is the prompt computed whole)."""
-    session._llm.reset()
+    session._engine.llm.reset()
     stats = GenerationStats()
     return "".join(session.generate(prompt, s, CancelToken(), stats)), stats
 
@@ -133,7 +133,7 @@ def test_a_decode_each_gives_the_same_tokens(session: Any) -> None:
     prompts = [chat(session, q) for q in QUESTIONS[:3]]
     s = sampling(max_tokens=12, temperature=0.7, seed=9)
     want = [alone(session, p, s)[0] for p in prompts]
-    b = LlamaCppBatcher(session, 4, CONTEXT, together=5)
+    b = LlamaCppBatcher(session.engine, 4, CONTEXT, together=5)
     try:
         stats = [GenerationStats() for _ in prompts]
         for k, p in enumerate(prompts):
@@ -150,7 +150,7 @@ def test_a_decode_each_gives_the_same_tokens(session: Any) -> None:
 def test_calibrate_picks_a_threshold(session: Any) -> None:
     from localrun.backends.llama_cpp.batcher import LlamaCppBatcher
 
-    b = LlamaCppBatcher(session, 4, CONTEXT)
+    b = LlamaCppBatcher(session.engine, 4, CONTEXT)
     try:
         assert 2 <= b.together <= 5
         assert 2 <= b.calibrate(repeats=1) <= 5
@@ -276,11 +276,11 @@ def single_logits(session: Any, prompt: Prompt) -> Any:
     """The logits the single path draws its first token from, the prompt fed whole."""
     import numpy as np
 
-    session._llm.reset()
+    session._engine.llm.reset()
     pieces = session.generate(prompt, sampling(max_tokens=2), CancelToken(), GenerationStats())
     next(pieces)  # the prompt is evaluated, its last token's logits are the context's
-    row = session._lc.llama_get_logits_ith(session._ctx_ptr, -1)
-    logits = np.ctypeslib.as_array(row, shape=(session._llm.n_vocab(),)).copy()
+    row = session._engine.lc.llama_get_logits_ith(session._engine.ctx, -1)
+    logits = np.ctypeslib.as_array(row, shape=(session._engine.llm.n_vocab(),)).copy()
     pieces.close()
     return logits
 
@@ -429,7 +429,7 @@ def test_close_frees_the_context(session: Any) -> None:
             return int(f.read().split()[1]) * resource.getpagesize()
 
     before = rss()
-    b = LlamaCppBatcher(session, 8, 2048)  # 8 x 2048 cells x 23 KB: about 360 MiB
+    b = LlamaCppBatcher(session.engine, 8, 2048)  # 8 x 2048 cells x 23 KB: about 360 MiB
     kv = 8 * 2048 * 23040
     assert rss() - before > kv * 0.8
     stats = GenerationStats()
@@ -463,19 +463,19 @@ def test_load_max_concurrency_builds_that_many_streams() -> None:
     context (where memory would allow 8), and Model reports 3 and their bytes; 1 builds
     no batch context at all (the model runs one sequence at a time)."""
     import localrun
-    from localrun.backends.llama_cpp.batcher import kv_bytes_per_token
+    from localrun.backends.llama_cpp.memory import kv_bytes_per_token
 
     path = str(test_model("gguf-q8_0"))
     with localrun.load(path, backend="llama.cpp", context=512, device="cpu",
                        max_concurrency=3) as m:
         assert m.max_concurrency == 3
         session = m._session
-        stream = 512 * kv_bytes_per_token(session)
+        stream = 512 * kv_bytes_per_token(session.engine)
         assert m.batch_reserved_bytes == 3 * stream
         b = session._batcher
         assert b.capacity == 3
-        assert int(session._lc.llama_n_seq_max(b._ctx)) == 3  # the engine's own count
-        assert int(session._lc.llama_n_ctx(b._ctx)) == 3 * 512
+        assert int(session._engine.lc.llama_n_seq_max(b._ctx)) == 3  # the engine's own count
+        assert int(session._engine.lc.llama_n_ctx(b._ctx)) == 3 * 512
     with localrun.load(path, backend="llama.cpp", context=512, device="cpu",
                        max_concurrency=1) as m:
         assert m.max_concurrency == 1 and m.batch_reserved_bytes == 0
@@ -509,7 +509,7 @@ def test_a_limit_after_the_batcher_is_built_caps_what_runs_at_once() -> None:
 
 
 def test_capacity_fits_the_budget() -> None:
-    from localrun.backends.llama_cpp.batcher import KV_BUDGET, MAX_CAPACITY, batch_capacity
+    from localrun.backends.llama_cpp.memory import KV_BUDGET, MAX_CAPACITY, batch_capacity
 
     assert batch_capacity(1 << 20, None) == MAX_CAPACITY
     assert batch_capacity(KV_BUDGET // 3, None) == 3
@@ -519,7 +519,7 @@ def test_capacity_fits_the_budget() -> None:
 
 
 def test_common_prefix() -> None:
-    from localrun.backends.llama_cpp.batcher import common_prefix
+    from localrun.backends.prefix import common_prefix
 
     a = list(range(1000))
     assert common_prefix(a, a) == 1000
@@ -561,12 +561,12 @@ def test_batch_slots_say_what_the_batch_context_will_hold_before_it_is_built() -
     caller (``localrun serve --max-memory``) sizes it first; once built, None (its
     capacity and reserved bytes say it then)."""
     import localrun
-    from localrun.backends.llama_cpp.batcher import kv_bytes_per_token
+    from localrun.backends.llama_cpp.memory import kv_bytes_per_token
 
     path = str(test_model("gguf-q8_0"))
     with localrun.load(path, backend="llama.cpp", context=512, device="cpu",
                        max_concurrency=3) as m:
-        stream = 512 * kv_bytes_per_token(m._session)
+        stream = 512 * kv_bytes_per_token(m._session.engine)
         assert m.batch_slots == (3, stream)
         assert getattr(m._session, "_batcher", None) is None  # asking built nothing
         m.limit_concurrency(2)

@@ -67,18 +67,19 @@ def run(session: Any, prompt: Prompt, max_tokens: int = 24, *, fresh: bool = Fal
     import numpy as np
 
     if fresh:
-        session._llm.reset()  # a clean context: the prompt is fed whole
+        session._engine.llm.reset()  # a clean context: the prompt is fed whole
     stats = GenerationStats()
     pieces = session.generate(prompt, sampling(max_tokens), CancelToken(), stats)
     first = next(pieces, "")  # the prompt is fed; its last token's logits are the context's
-    row = session._lc.llama_get_logits_ith(session._ctx_ptr, -1)
-    logits = np.ctypeslib.as_array(row, shape=(session._llm.n_vocab(),)).copy()
+    row = session._engine.lc.llama_get_logits_ith(session._engine.ctx, -1)
+    logits = np.ctypeslib.as_array(row, shape=(session._engine.llm.n_vocab(),)).copy()
     return first + "".join(pieces), logits, stats
 
 
 def expected_prefill(before: Prompt, prompt: Prompt) -> int:
     """Prompt tokens fed after ``before`` ran: all but the cells reusable_prefix keeps."""
-    from localrun.backends.llama_cpp.reuse import common_prefix, reusable_prefix
+    from localrun.backends.llama_cpp.reuse import reusable_prefix
+    from localrun.backends.prefix import common_prefix
 
     n = len(prompt.tokens)
     held = len(before.tokens)
@@ -106,7 +107,7 @@ def test_multi_turn_chat_replies_as_fed_whole(pair: tuple[Any, Any]) -> None:
     the last prompt's cells (not its reply's: decoded a token at a time) where that
     keeps every kernel, and replies as the prompt fed whole."""
     kept, _ = pair
-    kept._llm.reset()
+    kept._engine.llm.reset()
     asks = ["Hi.", "Tell me about the sea.", "Why is it salty?", "What lives at the bottom?",
             "How deep is the deepest part?", "Who first went down there?",
             "What did they see?", "Is it dark there?", "Name a fish that lives there.",
@@ -136,7 +137,7 @@ def test_shared_long_system_prompt(pair: tuple[Any, Any]) -> None:
     feeds only about the new question, and replies as fed whole; the same prompt again
     feeds its last 64 tokens."""
     kept, _ = pair
-    kept._llm.reset()
+    kept._engine.llm.reset()
     system = ("Customers ask about bread, cakes, opening hours and orders. "
               "The shop opens at seven and closes at seven, except on Sundays. ") * 44
     questions = ["Name a color.", "When does the shop open?", "Is it open on Sunday?"]
@@ -154,7 +155,7 @@ def test_short_prompts_under_64_tokens(pair: tuple[Any, Any]) -> None:
     """Prompts computed row by row: the common prefix is kept (the last token and one
     more are always fed again), and the replies are the prompts' fed whole."""
     kept, _ = pair
-    kept._llm.reset()
+    kept._engine.llm.reset()
     prompts = [chat(kept, [q]) for q in ("Hi.", "Name a fruit.", "Name a fruit.", "Why?")]
     assert all(len(p.tokens) < 64 for p in prompts)
     check(pair, prompts[0])
@@ -176,7 +177,7 @@ def test_replies_llama_cpp_python_changed(pair: tuple[Any, Any], system: str, as
     called."). Now the last 64 tokens of the tiled piece are fed again, or all of it
     when the last prompt's piece went row by row."""
     kept, _ = pair
-    kept._llm.reset()
+    kept._engine.llm.reset()
     before, prompt = chat(kept, ["Hi."], system), chat(kept, [ask], system)
     check(pair, before)
     _, stats = check(pair, prompt)
@@ -190,7 +191,7 @@ def test_pieces_start_where_a_whole_feed_starts_them(pair: tuple[Any, Any]) -> N
     prompt whose kept cells end inside its first 512-token piece and that goes on past
     it replies as fed whole."""
     kept, _ = pair
-    kept._llm.reset()
+    kept._engine.llm.reset()
     words = "Customers ask about bread, cakes, opening hours and orders. "
     system = words * 40
     before = chat(kept, ["Hi."], system[: len(system) // 2])

@@ -293,9 +293,9 @@ def raw_llama(llama: Any) -> Any:
     as the session has it) that keeps every position's logits."""
     import llama_cpp
 
-    from localrun.backends.llama_cpp.session import _engine_constants
+    from localrun.backends.llama_cpp.devices import engine_constants
 
-    kw = _engine_constants(llama_cpp, llama._session.placement.kwargs)
+    kw = engine_constants(llama_cpp, llama._session.placement.kwargs)
     llm = llama_cpp.Llama(llama.info.path, n_ctx=CONTEXT, logits_all=True, verbose=False,
                           **kw)
     yield llm
@@ -438,7 +438,7 @@ def test_lm_eval_loglikelihood_requests(llama: Any) -> None:
     ctx = list(llama._session.encode_text("The capital of France is").tokens)
     choices = [" Paris", " London", " Berlin"]
     conts = [llama._session.encode_ids(
-        llama._session._llm.tokenize(c.encode(), add_bos=False)).tokens for c in choices]
+        llama._session._engine.llm.tokenize(c.encode(), add_bos=False)).tokens for c in choices]
     requests = [ctx + list(c) for c in conts]
     out = llama.batch([BatchItem(r, raw=True) for r in requests], max_tokens=1, echo=True,
                       logprobs=True, top_logprobs=1, temperature=0, seed=1234)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -38,21 +39,19 @@ def sampling(max_tokens: int = N, **kw: Any) -> ResolvedSampling:
 
 @pytest.fixture(scope="module")
 def session() -> Iterator[Any]:
-    from localrun.backends.mlx.session import MLXBackend
+    from localrun.backends.mlx.session import BACKEND
 
-    s = MLXBackend().load(LoadRequest(str(test_model("mlx-4bit")), "mlx", context=1024))
+    s = BACKEND.load(LoadRequest(str(test_model("mlx-4bit")), "mlx", context=1024))
     yield s
     s.close()
 
 
 def new_batcher(session: Any, capacity: int = 8) -> MLXBatcher:
     """A batcher over the session's engine, with a prefix store of its own."""
-    from localrun.backends.mlx.batcher import PrefixCache
-    from localrun.backends.mlx.session import keep_first_space
+    from localrun.backends.mlx.reuse import PrefixCache
 
-    return MLXBatcher(session._worker, session._model, session._eos,
-                      lambda: keep_first_space(session._tok.detokenizer),
-                      PrefixCache(session._model), session._grammar.mask, capacity)
+    engine = session.engine
+    return MLXBatcher(replace(engine, prefixes=PrefixCache(engine.model)), capacity)
 
 
 def alone(session: Any, prompt: Prompt, s: ResolvedSampling) -> tuple[str, GenerationStats]:

@@ -44,7 +44,7 @@ class _Model:
 
 
 def test_common_prefix() -> None:
-    from localrun.backends.mlx.batcher import common_prefix
+    from localrun.backends.prefix import common_prefix
 
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix([], [1]) == 0
@@ -54,7 +54,7 @@ def test_common_prefix() -> None:
 def test_borrow_cuts_the_longest_match_and_leaves_the_entry_whole() -> None:
     import mlx.core as mx
 
-    from localrun.backends.mlx.batcher import PrefixCache
+    from localrun.backends.mlx.reuse import PrefixCache
 
     store = PrefixCache(_Model())
     a, b = kv(6), kv(4, fill=9.0)
@@ -75,7 +75,7 @@ def test_borrow_cuts_the_longest_match_and_leaves_the_entry_whole() -> None:
 
 
 def test_keep_drops_what_a_longer_entry_holds_and_stays_bounded() -> None:
-    from localrun.backends.mlx.batcher import PrefixCache
+    from localrun.backends.mlx.reuse import PrefixCache
 
     store = PrefixCache(_Model(), entries=3, budget=10**9)
     store.keep([1, 2, 3], kv(3))
@@ -101,7 +101,7 @@ def test_most_bytes_bounds_what_the_store_keeps() -> None:
     """What serve counts for the store (``most_bytes``): never less than it holds, and
     reached: each entry is at most one context's cache, older ones go past the budget,
     the newest stays whatever its size."""
-    from localrun.backends.mlx.batcher import PREFIX_BYTES, PrefixCache
+    from localrun.backends.mlx.reuse import PREFIX_BYTES, PrefixCache
 
     full = int(sum(c.nbytes for c in kv(256)))  # a whole context (mlx-lm's 256 steps)
     for budget, most in ((10**9, 3 * full), (full + full // 2, full + full // 2),
@@ -143,7 +143,7 @@ def run(session: Any, prompt: Any, s: ResolvedSampling, *, reuse: bool
     from localrun.types import CancelToken
 
     if not reuse:
-        session._worker.call(session._prefixes.clear)
+        session.engine.worker.call(session.engine.prefixes.clear)
     stats = GenerationStats()
     text = "".join(session.generate(prompt, s, CancelToken(), stats))
     return text, stats.prefill_tokens
@@ -224,7 +224,7 @@ def test_serve_counts_the_caches_it_keeps(model: Any) -> None:
     weights, overhead and KV cache."""
     pytest.importorskip("fastapi", reason="the serve extra is not installed "
                         "(pip install -e '.[serve]')")
-    from localrun.backends.mlx.batcher import PREFIX_BYTES, PREFIX_ENTRIES
+    from localrun.backends.mlx.reuse import PREFIX_BYTES, PREFIX_ENTRIES
     from localrun.server.config import ServerConfig
     from localrun.server.sizing import estimate_loaded
     from tests.serverutil import serve

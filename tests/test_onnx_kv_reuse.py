@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from localrun.backends.base import GenerationStats, Prompt
+from localrun.backends.prefix import common_prefix
 from localrun.sampling import ResolvedSampling
 from localrun.types import CancelToken
 from tests.models import test_model
@@ -292,11 +293,6 @@ def load(path: str) -> Any:
     return BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT))
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                min(len(a), len(b)))
-
-
 def test_settled_reply_rows_are_reused_and_the_replies_stay_fresh(path: str,
                                                                    engine: Any) -> None:
     """A conversation with replies of up to 150 tokens (over the 128-row tiles): once a
@@ -493,7 +489,7 @@ def test_the_penalty_covers_the_prompt_and_the_reply() -> None:
 def test_reusable_rows() -> None:
     """The rule itself: common prefix less one; a one-row last tile only where a fresh
     prefill has one."""
-    from localrun.backends.onnx.session import reusable
+    from localrun.backends.onnx.reuse import reusable
 
     assert reusable([], [1, 2, 3]) == 0
     assert reusable([1, 2, 3], [1, 2, 3]) == 1  # the same prompt: 2 rows run (not 1)

@@ -127,7 +127,7 @@ def test_replies_with_a_warm_cache_are_the_replies_with_a_cold_one(
 def test_the_kv_cache_holds_one_context(f32_pair: tuple[Any, Any]) -> None:
     """The pipeline's KV cache is the context's worth of blocks (what memory planning
     counts), fixed: prefixes stay cached in what the sequences in flight leave."""
-    from localrun.backends.openvino.batcher import KV_BLOCK_TOKENS, kv_blocks
+    from localrun.backends.openvino.engine import KV_BLOCK_TOKENS, kv_blocks
 
     warm, _ = f32_pair
     warm.chat("Hi", max_tokens=1, **GREEDY)  # the cache is there from the first step on
@@ -160,7 +160,7 @@ def test_precision_options() -> None:
     """f32 on the CPU by default, keys and values too; bf16 on request (where the CPU
     has it) with a bf16 cache, and an f32 cache with bf16 compute refused before the
     model loads (paged attention takes none)."""
-    from localrun.backends.openvino.batcher import cpu_precision
+    from localrun.backends.openvino.devices import cpu_precision
 
     with pytest.raises(LocalrunError, match="f32 compute") as e:
         _load(KV_CACHE_PRECISION="f32", INFERENCE_PRECISION_HINT="bf16")
@@ -187,7 +187,7 @@ def test_detokenizer_pieces_join_to_the_text() -> None:
     is whole, and the pieces are the ones a sequence gets alone."""
     import openvino_genai as og
 
-    from localrun.backends.openvino.batcher import DETOKENIZE_WINDOW, Detokenizer, TextWindow
+    from localrun.backends.openvino.text import DETOKENIZE_WINDOW, Detokenizer, TextWindow
 
     tok = og.Tokenizer(_path())
     ids = [int(t) for t in tok.encode(TEXT, add_special_tokens=False).input_ids.data[0]]

@@ -183,7 +183,7 @@ def test_mlx_detokenizers_keep_the_first_space(kind: str, pieces: list[str]) -> 
     _skip_unless_installed("mlx")
     from mlx_lm import tokenizer_utils
 
-    from localrun.backends.mlx.session import keep_first_space
+    from localrun.backends.mlx.engine import keep_first_space
 
     detok = keep_first_space(getattr(tokenizer_utils, kind)(_Vocab(pieces)))
     detok.reset()

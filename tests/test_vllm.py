@@ -168,7 +168,8 @@ def test_startup_timeout_stops_it(fake_vllm: Path, tmp_path: Path,
 def test_progress_while_waiting(fake_vllm: Path, monkeypatch: pytest.MonkeyPatch,
                                 hf_model: str) -> None:
     from localrun.backends.base import LoadRequest
-    from localrun.backends.vllm.session import Startup, VllmSession
+    from localrun.backends.vllm import Startup
+    from localrun.backends.vllm.session import VllmSession
 
     monkeypatch.setenv("FAKE_VLLM_DELAY", "2.5")
     seen: list[Startup] = []
@@ -199,7 +200,7 @@ def test_startup_progress_reaches_the_listener(fake_vllm: Path,
                                                hf_model: str) -> None:
     """localrun.load has no progress parameter for vLLM: startup_progress() is how a
     caller (the CLI) hears about the start."""
-    from localrun.backends.vllm.session import Startup, startup_progress
+    from localrun.backends.vllm import Startup, startup_progress
 
     monkeypatch.setenv("FAKE_VLLM_DELAY", "2")
     seen: list[Startup] = []

@@ -13,9 +13,9 @@ name in ``spec.BackendName`` and in :data:`ENGINES` below, and its host rules in
 from __future__ import annotations
 
 import importlib
-from importlib import metadata
 from typing import TYPE_CHECKING
 
+from localrun.backends import installed
 from localrun.backends.exllama.facts import EXLLAMAV2, EXLLAMAV3
 from localrun.backends.llama_cpp.facts import SPEC as LLAMA_CPP
 from localrun.backends.mlx.facts import SPEC as MLX
@@ -24,7 +24,6 @@ from localrun.backends.openvino.facts import SPEC as OPENVINO
 from localrun.backends.remote.facts import SPEC as REMOTE
 from localrun.backends.spec import BackendName, BackendSpec, Build, Option
 from localrun.backends.vllm.facts import SPEC as VLLM
-from localrun.install import pip_install
 
 if TYPE_CHECKING:
     from localrun.backends.base import Backend
@@ -74,37 +73,18 @@ def engine_options(name: str) -> dict[str, str]:
 
 def installed_build(name: str) -> Build | None:
     """The GPU build installed in place of the engine's plain distribution, if any."""
-    for build in BACKENDS[canonical_backend(name)].builds:
-        try:
-            metadata.version(build.dist)
-        except metadata.PackageNotFoundError:
-            continue
-        return build
-    return None
+    return installed.installed_build(BACKENDS[canonical_backend(name)])
 
 
 def engine_version(name: str) -> str | None:
-    """The installed version of the engine's main distribution, read from metadata only.
-
-    A GPU build stands in for the plain distribution and is named as a local version
-    label, as torch names its builds: ``0.8.0+cuda`` for onnxruntime-genai-cuda 0.8.0.
-    """
+    """The installed version of the engine, read from metadata only (a GPU build as a
+    local version label: ``0.8.0+cuda``; vLLM's from its own environment)."""
     spec = BACKENDS[canonical_backend(name)]
     if spec.home == "own-env":  # vLLM, the one engine with an environment of its own
         from localrun.backends.vllm.env import vllm_version
 
         return vllm_version()
-    versions = []
-    build = installed_build(spec.name)
-    for i, dist in enumerate(spec.dists):
-        if i == 0 and build is not None:
-            versions.append(f"{metadata.version(build.dist)}+{build.device}")
-            continue
-        try:
-            versions.append(metadata.version(dist))
-        except metadata.PackageNotFoundError:
-            return None
-    return versions[0] if versions else None
+    return installed.installed_version(spec)
 
 
 def build_devices(version: str) -> tuple[str, ...]:
@@ -131,28 +111,19 @@ def installed_backends() -> dict[str, str]:
 
 def install_hint(name: str, device: str = "cpu") -> str:
     """The command that installs an engine: its GPU build's extra for ``device`` where it
-    has one ("cuda:0" -> onnx-cuda), its own environment for vLLM. The ``pip install``
-    itself comes from :func:`localrun.install.pip_install` (a clone or a wheel)."""
+    has one ("cuda:0" -> onnx-cuda), its own environment for vLLM."""
     spec = BACKENDS[canonical_backend(name)]
     if spec.home == "own-env":
         from localrun.backends.vllm.env import INSTALL_HINT
 
         return INSTALL_HINT
-    if spec.extra is None:
-        return f"nothing to install: the {spec.title} runs the model"
-    kind = device.split(":")[0]
-    extra = next((b.extra for b in spec.builds if b.device == kind), spec.extra)
-    return pip_install(extra)
+    return installed.pip_hint(spec, device)
 
 
 def not_installed(name: str, *, reason: str | None = None) -> EngineNotInstalledError:
     """The error for an engine that is missing (or fails to import), with its install hint."""
-    from localrun.errors import EngineNotInstalledError
-
     spec = BACKENDS[canonical_backend(name)]
-    error = EngineNotInstalledError(spec.title, spec.extra or spec.name, reason=reason)
-    error.hint = install_hint(spec.name)
-    return error
+    return installed.missing(spec, reason=reason, hint=install_hint(spec.name))
 
 
 def get_backend(name: str) -> Backend:

@@ -8,13 +8,15 @@ and its chat template and special tokens beside the tokenizer
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from localrun.errors import ModelFileError
+
+# the one JSON reader of a model's files is formats.detect's; the engines read it from here
+from localrun.formats.detect import read_json as read_json
 
 #: generation_config.json key -> localrun sampling option
 GENERATION_KEYS: dict[str, str] = {
@@ -24,21 +26,6 @@ GENERATION_KEYS: dict[str, str] = {
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
 }
-
-
-def read_json(path: Path, *, required: bool = False) -> dict[str, Any]:
-    """A JSON object from ``path``; ``{}`` when an optional file is absent."""
-    if not path.is_file():
-        if required:
-            raise ModelFileError(str(path.parent), f"{path.name} is missing")
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFileError(str(path), f"unreadable JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ModelFileError(str(path), "expected a JSON object")
-    return data
 
 
 def require_files(folder: Path, names: Iterable[str], *, what: str, hint: str | None = None

@@ -23,7 +23,7 @@ from typing import Literal
 BackendName = Literal["llama.cpp", "mlx", "exllamav2", "exllamav3", "openvino", "onnx",
                       "vllm", "remote"]
 
-#: How an engine option's value is checked (``backends.base.check_options``): "int",
+#: How an engine option's value is checked (``backends.options.check_options``): "int",
 #: "bool", "number", "numbers" (a list), "text", "switch" ("auto", True or False), or a
 #: tuple of the accepted words.
 OptionKind = str | tuple[str, ...]

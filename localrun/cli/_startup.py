@@ -15,7 +15,7 @@ EVERY = 10.0
 
 class StartupLine:
     """Context manager: while it is open, a vLLM that ``localrun.load`` starts on this
-    thread reports here (``localrun.backends.vllm.session.startup_progress``)."""
+    thread reports here (``localrun.backends.vllm.startup_progress``)."""
 
     def __init__(self, console: Any) -> None:
         self._console = console
@@ -24,7 +24,7 @@ class StartupLine:
         self._scope: contextlib.ExitStack | None = None
 
     def report(self, p: Any) -> None:
-        """One ``localrun.backends.vllm.session.Startup``."""
+        """One ``localrun.backends.vllm.Startup``."""
         from rich.markup import escape
 
         line = " ".join(p.line.split())
@@ -42,7 +42,7 @@ class StartupLine:
             self._console.print(escape(text), soft_wrap=True)
 
     def __enter__(self) -> StartupLine:
-        from localrun.backends.vllm.session import startup_progress
+        from localrun.backends.vllm import startup_progress
 
         self._scope = contextlib.ExitStack()
         self._scope.enter_context(startup_progress(self.report))

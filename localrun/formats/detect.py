@@ -71,7 +71,12 @@ class DetectedModel:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-def _json(path: Path) -> dict[str, Any]:
+def read_json(path: Path, *, required: bool = False) -> dict[str, Any]:
+    """A JSON object from a model's file; ``{}`` when an optional file is absent."""
+    if not path.is_file():
+        if required:
+            raise ModelFileError(str(path.parent), f"{path.name} is missing")
+        return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -187,7 +192,7 @@ def _top_names(p: Path) -> set[str]:
 
 def _detect_dir(p: Path) -> DetectedModel:
     names = _top_names(p)
-    config = _json(p / "config.json") if "config.json" in names else None
+    config = read_json(p / "config.json", required=True) if "config.json" in names else None
     if "genai_config.json" in names:
         return _onnx_genai(p, config)
     if any(n in names for n in OPENVINO_MODEL_FILES):
@@ -250,7 +255,7 @@ def _gguf_in_dir(p: Path, ggufs: list[str]) -> DetectedModel:
 
 def _onnx_genai(p: Path, config: dict[str, Any] | None) -> DetectedModel:
     cfg_path = p / "genai_config.json"
-    cfg = _json(cfg_path)
+    cfg = read_json(cfg_path, required=True)
     model = cfg.get("model")
     if not isinstance(model, dict):
         raise ModelFileError(str(cfg_path), "no 'model' section")
@@ -301,7 +306,7 @@ def _openvino(p: Path, names: set[str], config: dict[str, Any] | None) -> Detect
         )
     quant = None
     if "openvino_config.json" in names:
-        qc = _json(p / "openvino_config.json").get("quantization_config")
+        qc = read_json(p / "openvino_config.json", required=True).get("quantization_config")
         if isinstance(qc, dict) and qc.get("bits"):
             quant = f"int{qc['bits']}"
     quant = quant or _quant_from_name(p)
@@ -365,7 +370,7 @@ def _check_shards(p: Path, names: set[str], safetensors: list[str]) -> list[str]
     """The weight files, index first-shard first; raise if the index names missing files."""
     if "model.safetensors.index.json" not in names:
         return safetensors
-    index = _json(p / "model.safetensors.index.json")
+    index = read_json(p / "model.safetensors.index.json", required=True)
     wmap = index.get("weight_map")
     if not isinstance(wmap, dict) or not wmap:
         raise ModelFileError(str(p / "model.safetensors.index.json"), "no weight_map")

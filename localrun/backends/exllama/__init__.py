@@ -1,10 +1,13 @@
-"""What the ExLlamaV2 and ExLlamaV3 backends share, without importing either engine.
+"""ExLlamaV2 and ExLlamaV3: EXL2/EXL3 models on NVIDIA (and AMD) GPUs. Both engines live
+here, with what they share, and nothing here imports either engine until a model loads.
 
 Both engines need CUDA to import at all (``import exllamav2`` raises ``OSError:
 CUDA_HOME environment variable is not set`` on a host without it), so everything that
-can be decided without the engine lives here and is tested on any machine. One module
-a job; nothing here imports another on import of the package:
+can be decided without the engine lives in its own module and is tested on any machine.
+One module a job; nothing here imports another on import of the package:
 
+- :mod:`.facts`: both engines' table rows, formats, memory rows and options (pure data);
+- :mod:`.v2`, :mod:`.v3`: each engine's loading and sampler code, and its ``BACKEND``;
 - :mod:`.options`: the load options (``kv_cache``, ``gpu_split``, ``tensor_parallel``,
   ``paged``), their table (:data:`~.options.OPTIONS`) and validation;
 - :mod:`.errors`: what a failed import, load or job means for the user;
@@ -17,9 +20,9 @@ a job; nothing here imports another on import of the package:
 - :mod:`.jobs`: jobs on the engine: both engines' dynamic generators share ``enqueue /
   iterate / cancel`` and the result dicts they return, which become GenerationStats;
   ``JobBatcher`` is the session's Batcher;
+- :mod:`.constraints`: both engines' structured-output filters;
 - :mod:`.session`: :class:`~.session.ExLlamaSession`, both sessions but for the
-  engine-specific loading and sampler code, which stays in
-  :mod:`localrun.backends.exllama.v2` and :mod:`localrun.backends.exllama.v3`.
+  engine-specific loading and sampler code in :mod:`.v2` and :mod:`.v3`.
 
 How localrun's sampling options map onto the engines:
 

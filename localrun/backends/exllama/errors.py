@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from localrun.backends import not_installed
+from localrun.backends.exllama.facts import SPECS
 from localrun.backends.exllama.options import title
+from localrun.backends.installed import missing
 from localrun.errors import (
     EngineUnavailableError,
     GenerationError,
@@ -30,7 +31,7 @@ def engine_import_error(engine: str, error: BaseException) -> LocalrunError:
     text = _first_line(error, 200)
     if isinstance(error, ModuleNotFoundError) or (
             isinstance(error, RuntimeError) and "PyTorch is required" in text):
-        return not_installed(engine, reason=text)
+        return missing(SPECS[engine], reason=text)
     return EngineUnavailableError(
         engine,
         f"needs an NVIDIA GPU with CUDA (or an AMD GPU with ROCm), and importing "

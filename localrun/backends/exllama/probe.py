@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from localrun.backends import not_installed
 from localrun.backends.exllama.errors import no_gpu_error
+from localrun.backends.exllama.facts import SPECS
+from localrun.backends.installed import missing
 from localrun.hardware import GPUInfo, HardwareProfile
 
 #: GPU vendors each engine has kernels for (both build for CUDA and ROCm).
@@ -43,7 +44,7 @@ def probe_cuda(engine: str, profile: HardwareProfile | None = None) -> list[int]
     try:
         torch: Any = importlib.import_module("torch")
     except ImportError as e:
-        raise not_installed(engine, reason=f"torch is missing ({e})") from e
+        raise missing(SPECS[engine], reason=f"torch is missing ({e})") from e
     if not torch.cuda.is_available():
         detail = ("torch sees no CUDA device (a CPU-only torch build, or the driver is not "
                   "loaded)") if gpus else "no GPU was found on this host"

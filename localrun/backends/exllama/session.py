@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from localrun.backends import engine_version
 from localrun.backends.base import Batcher, GenerationStats, LoadRequest, Prompt, Session
 from localrun.backends.exllama.errors import load_failure
+from localrun.backends.exllama.facts import SPECS
 from localrun.backends.exllama.folder import (
     adds_bos,
     model_name,
@@ -40,6 +40,7 @@ from localrun.backends.hf_config import (
     sampling_defaults,
     trained_context,
 )
+from localrun.backends.installed import installed_version
 from localrun.errors import LocalrunError, ModelFileError
 from localrun.memory import ModelShape, shape_from_config
 from localrun.sampling import ResolvedSampling
@@ -132,7 +133,7 @@ class ExLlamaSession(Session):
         self.sampling_defaults = sampling_defaults(gen_config)
         self.info = ModelInfo(
             backend=self.engine,
-            engine_version=engine_version(self.engine) or "unknown",
+            engine_version=installed_version(SPECS[self.engine]) or "unknown",
             format=request.format,
             quantization=quant_label(config),
             path=str(folder),
@@ -223,13 +224,8 @@ class ExLlamaSession(Session):
             **self._filters(sampling),
         )
 
-    def generate(
-        self,
-        prompt: Prompt,
-        sampling: ResolvedSampling,
-        cancel: CancelToken,
-        stats: GenerationStats,
-    ) -> Iterator[str]:
+    def generate(self, prompt: Prompt, sampling: ResolvedSampling, cancel: CancelToken,
+                 stats: GenerationStats) -> Iterator[str]:
         for _, piece in run_jobs(self.generator, self.make_job, [prompt], [sampling],
                                  [cancel], [stats], 1, self.engine):
             if piece is not None:
@@ -264,14 +260,3 @@ class ExLlamaSession(Session):
             if torch is not None:
                 with contextlib.suppress(Exception):
                     torch.cuda.empty_cache()
-
-
-class ExLlamaBackend:
-    """The backend object of one ExLlama engine: loading makes its session."""
-
-    def __init__(self, session: type[ExLlamaSession]) -> None:
-        self.name = session.engine
-        self._session = session
-
-    def load(self, request: LoadRequest) -> Session:
-        return self._session(request)

@@ -27,10 +27,11 @@ import importlib
 from types import SimpleNamespace
 from typing import Any
 
+from localrun.backends.base import SessionBackend
 from localrun.backends.exllama.constraints import exllamav2_filter
 from localrun.backends.exllama.errors import engine_import_error
 from localrun.backends.exllama.options import KVCache
-from localrun.backends.exllama.session import ExLlamaBackend, ExLlamaSession, LoadInputs
+from localrun.backends.exllama.session import ExLlamaSession, LoadInputs
 from localrun.backends.exllama.vram import ContextChoice, SplitPlan, kv_bytes_per_token
 from localrun.errors import InvalidOptionError
 from localrun.memory import ModelShape
@@ -218,4 +219,4 @@ class ExLlamaV2Session(ExLlamaSession):
                     pool.shutdown(wait=False)
 
 
-BACKEND = ExLlamaBackend(ExLlamaV2Session)
+BACKEND = SessionBackend(ENGINE, ExLlamaV2Session)

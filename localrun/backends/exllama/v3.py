@@ -24,10 +24,11 @@ import importlib
 from types import SimpleNamespace
 from typing import Any
 
+from localrun.backends.base import SessionBackend
 from localrun.backends.exllama.constraints import exllamav3_filter
 from localrun.backends.exllama.errors import engine_import_error
 from localrun.backends.exllama.options import KVCache
-from localrun.backends.exllama.session import ExLlamaBackend, ExLlamaSession, LoadInputs
+from localrun.backends.exllama.session import ExLlamaSession, LoadInputs
 from localrun.backends.exllama.vram import PAGE_SIZE, ContextChoice
 from localrun.sampling import ResolvedSampling
 
@@ -154,4 +155,4 @@ class ExLlamaV3Session(ExLlamaSession):
                 close()
 
 
-BACKEND = ExLlamaBackend(ExLlamaV3Session)
+BACKEND = SessionBackend(ENGINE, ExLlamaV3Session)

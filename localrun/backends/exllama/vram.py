@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from localrun.backends.exllama.errors import no_gpu_error
+from localrun.backends.exllama.facts import SPECS
 from localrun.backends.exllama.options import KV_CACHE_CHOICES, KVCache, LoadOptions, title
 from localrun.errors import InvalidOptionError, ModelTooLargeError
 from localrun.memory import (
@@ -23,7 +24,7 @@ from localrun.memory import (
     DEFAULT_CONTEXT_CAP,
     ModelShape,
     context_window,
-    engine_memory,
+    memory_row,
     overhead_bytes,
 )
 
@@ -108,7 +109,7 @@ def choose_context(
                              reason + " (free VRAM or model shape unknown: not checked)")
     per_token = kv_bytes_per_token(engine, shape, kv_cache, len(free_vram))
     reserve = ENGINE_RESERVE.get(engine, 256 * MiB)
-    overhead = overhead_bytes(weights, engine_memory(engine).overhead_fixed)
+    overhead = overhead_bytes(weights, memory_row(SPECS[engine]).overhead_fixed)
     budget = sum(max(f - reserve, 0) for f in free_vram) - weights - overhead
     fits = _round_down(budget // per_token) if budget > 0 and per_token > 0 else 0
     if fits >= cache:

@@ -1,63 +1,36 @@
 """Many llama.cpp sequences decoded together in one context (continuous batching), and the
-KV cells they leave behind kept for the next calls (prefix reuse): the
-:class:`~localrun.backends.base.Batcher` of the llama.cpp session
-(:mod:`localrun.backends.llama_cpp.session`), on llama-cpp-python's low-level API.
+KV cells they leave behind kept for the next calls (prefix reuse): the session's
+:class:`~localrun.backends.base.Batcher`, on llama-cpp-python's low-level API, driven
+through the :class:`~.engine.Engine` the session hands it.
 
-**One context, one KV stream per slot.** The batcher makes a second ``llama_context``
-over the session's ``llama_model`` (the weights are shared) with :attr:`capacity` slots:
-``n_seq_max`` = capacity and ``kv_unified`` off, so each slot is a KV stream as long as
-the session's context: a sequence can reach the whole context as it could alone, and
-its attention sees only its own cells, at the positions they would have alone. The
-price is memory, capacity times the session's KV cache, kept within :data:`KV_BUDGET`
-by :func:`batch_capacity`. (One unified stream would share cells, but measured here, 2
-of 4 greedy replies then left the single path's within 40 tokens: a sequence's cells
-sit among its neighbours' and the attention sums them in another order.)
+**One context, one KV stream per slot.** A second ``llama_context`` over the session's
+model (the weights are shared) with :attr:`~LlamaCppBatcher.capacity` slots, each a KV
+stream as long as the session's context (``n_seq_max`` = capacity, ``kv_unified`` off):
+a sequence reaches the whole context as it could alone and its attention sees only its
+own cells, at the positions they would have alone (one unified stream would sum its
+neighbours' cells in another order). The price is memory: capacity x the session's KV
+cache, within :data:`~.memory.KV_BUDGET`.
 
-**A step** decodes one token of every sequence that is generating, all in one
-``llama_decode`` of one ``llama_batch`` (one row per slot, in slot order), and each
-draws its next token from its own sampler chain at its row of the logits. (Unless
-fewer than :attr:`LlamaCppBatcher.together` are generating: then each gets a decode of
-its own. Some llama.cpp builds multiply a few tokens at once much slower than one;
-:meth:`LlamaCppBatcher.calibrate` times both when the batcher is built.) Then new
-sequences' prompts are fed, each in a decode of its own, up to about ``n_batch`` tokens
-per step (a long prompt goes over several steps while the others keep generating).
-llama.cpp cuts a batch over several streams into ubatches of *consecutive* seq ids, so
-the sequences in flight are kept on consecutive slots: a new one takes a free slot that
-fills a gap in the run or extends it (a gap costs one more pass over the weights).
+**A step** decodes one token of every generating sequence in one ``llama_decode`` (one
+row per slot, in slot order; or a decode each where this build multiplies a few tokens
+at once slower than one: :meth:`LlamaCppBatcher.calibrate`), each drawing from its own
+sampler chain (:func:`~.sampling.sequence_chain`); then new prompts are fed, each alone
+in its decode, about ``n_batch`` tokens per step. llama.cpp cuts a batch over several
+streams into ubatches of *consecutive* seq ids, so sequences in flight stay on
+consecutive slots.
 
-**The single path's tokens.** llama.cpp's CPU kernels are not batch-invariant: flash
-attention computes a ubatch of 64+ tokens of one stream with a tiled kernel and fewer
-row by row, and takes a split-KV path for a one-token decode of a stream alone in its
-ubatch once the stream holds more than 256 cells. So a prompt is fed alone in its
-decode, in the pieces ``Llama.generate`` feeds it in, and a reused prefix is cut where
-recomputing the rest keeps those pieces' kernels (:func:`reusable_prefix`): a
-sequence's tokens are those of ``Session.generate`` from a clean context (greedy, or
-sampled with the same seed), with or without neighbours, with or without a reused
-prefix, while it stays under 256 cells; past that, one decoded beside others and one
-decoded alone may part (as in llama-server). See docs/results/llama_batch.md.
+**The single path's tokens.** llama.cpp's CPU kernels are not batch-invariant, so a
+prompt is fed alone, in the pieces ``Llama.generate`` feeds it in, and a reused prefix
+is cut where recomputing the rest keeps those pieces' kernels
+(:func:`~.reuse.reusable_prefix`): a sequence's tokens are ``Session.generate``'s from a
+clean context while it stays under 256 cells (past that, a split-KV kernel may part
+them, as in llama-server). Constraints and log probabilities are per sequence, as there.
 
-**Sampling** is the single path's chain
-(:func:`~localrun.backends.llama_cpp.session.temperature_first`),
-built from the same llama.cpp samplers in the same order: the structured-output mask
-(llguidance, as :func:`~localrun.backends.llama_cpp.constraints.llama_cpp_processors`
-applies it),
-the repetition penalty over the last ``last_n_tokens_size`` tokens, then greedy, or the
-temperature, top_k, top_p, min_p and the seeded draw. A constraint is enforced per
-sequence: its matcher is fed each token drawn, as in the single path. Log probabilities,
-where asked, come from the row a token was drawn from, right after its draw
-(:mod:`localrun.backends.logprobs`).
-
-**KV reuse.** A slot keeps the cells of the sequence that last ran in it. A new prompt
-takes the free slot whose cells share the longest usable prefix with it (at least
-:data:`MIN_REUSE` tokens; else the least recently used slot), among those that keep the
-run consecutive, trims them to it (``llama_memory_seq_rm``) and prefills only the rest.
-Usable is what :func:`reusable_prefix` allows: cells of the previous prompt, not of its
-reply (decoded a token at a time, they differ from the same tokens prefilled), so the
-next turn of a chat prefills the last reply and the new message; an agent alternating
-system prompts finds each in its own slot. When a longer prefix is held elsewhere (by a
-sequence in flight, or a slot off the run), its cells are copied over
-(``llama_state_seq_get_data``/``set_data``: that sequence's cells only) if that saves
-at least :data:`MIN_COPY` prompt tokens.
+**KV reuse.** A slot keeps the cells of the sequence that last ran in it; a new prompt
+takes the free slot sharing the longest usable prefix (the previous prompt's cells, not
+its reply's; at least :data:`MIN_REUSE` tokens, else the least recently used slot),
+trims it and prefills the rest, or copies a longer prefix from another slot when that
+saves at least :data:`MIN_COPY` tokens. Measurements: docs/results/llama_batch.md.
 """
 
 from __future__ import annotations
@@ -65,39 +38,26 @@ from __future__ import annotations
 import codecs
 import ctypes
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from localrun.backends.base import Batcher, GenerationStats, Prompt
-from localrun.backends.llama_cpp.constraints import masking_sampler
+from localrun.backends.llama_cpp.engine import Engine
+from localrun.backends.llama_cpp.memory import batch_slots, kv_bytes_per_token, stream_tokens
 from localrun.backends.llama_cpp.openmp import release_pool
-from localrun.backends.llama_cpp.reuse import common_prefix, reusable_prefix
+from localrun.backends.llama_cpp.reuse import reusable_prefix
+from localrun.backends.llama_cpp.sampling import sequence_chain
 from localrun.backends.logprobs import llama_row
+from localrun.backends.prefix import common_prefix
 from localrun.errors import GenerationError, LocalrunError
 from localrun.sampling import ResolvedSampling
 from localrun.structured.grammar import TokenMask
 
-if TYPE_CHECKING:
-    from localrun.backends.llama_cpp.session import LlamaCppSession
-
-#: Most sequences in flight. A llama.cpp decode step grows slowly from 2 sequences to 8
-#: (on the 2-core machine of docs/results/llama_batch.md, 39 to 50 ms for SmolLM2), so 8
-#: give the most tokens/s there; more would mostly add KV memory.
-MAX_CAPACITY = 8
-#: Bytes the batch context's KV cache may take (capacity x the session's KV cache), and
-#: at most a quarter of the RAM available when the batcher is built.
-KV_BUDGET = 2 << 30
 #: Common prefix (tokens) that makes a slot worth taking for its cells: below it (a
 #: chat template's first line) the least recently used slot is taken, so that the
 #: slots holding long prefixes keep them.
 MIN_REUSE = 32
 #: Prompt tokens a copy of another slot's cells must save to be worth its memcpy.
 MIN_COPY = 32
-
-
-def batch_capacity(stream_bytes: int, available: int | None) -> int:
-    """Slots that fit: each holds ``stream_bytes`` of KV cache (the session's context)."""
-    budget = KV_BUDGET if available is None else min(KV_BUDGET, available // 4)
-    return int(min(MAX_CAPACITY, budget // max(stream_bytes, 1)))
 
 
 class _Seq:
@@ -147,21 +107,20 @@ class _Slot:
 
 
 class LlamaCppBatcher(Batcher):
-    """Sequences of one llama.cpp session through one multi-slot context (see the module
-    docstring). Built by :meth:`LlamaCppSession.batcher`; ``capacity`` slots of
-    ``n_ctx_seq`` tokens each."""
+    """Sequences of one loaded llama.cpp model through one multi-slot context (see the
+    module docstring): ``capacity`` slots of ``n_ctx_seq`` tokens each."""
 
-    def __init__(self, session: LlamaCppSession, capacity: int, n_ctx_seq: int,
+    def __init__(self, engine: Engine, capacity: int, n_ctx_seq: int,
                  together: int | None = None) -> None:
         import numpy as np
 
-        lc = session._lc
-        llm = session._llm
+        lc = engine.lc
+        llm = engine.llm
         self._lc = lc
-        self._session = session
+        self._engine = engine
         self.capacity = capacity
         self.n_ctx_seq = n_ctx_seq
-        self.reserved_bytes = capacity * n_ctx_seq * kv_bytes_per_token(session)  # its KV
+        self.reserved_bytes = capacity * n_ctx_seq * kv_bytes_per_token(engine)  # its KV
         params = lc.llama_context_params.from_buffer_copy(llm.context_params)
         params.n_seq_max = capacity
         params.n_ctx = capacity * n_ctx_seq
@@ -180,9 +139,7 @@ class LlamaCppBatcher(Batcher):
                          "prefill": (int(params.n_threads), int(params.n_threads_batch))}
         self._mode = ""
         self._mem = lc.llama_get_memory(ctx)
-        self._vocab = session._vocab
-        self._n_vocab = int(llm.n_vocab())
-        self._last_n = int(llm.last_n_tokens_size)
+        self._n_vocab = engine.n_vocab
         self._n_batch = int(lc.llama_n_batch(ctx))
         # a prompt chunk is one ubatch (see _chunk)
         self._n_chunk = min(self._n_batch, int(lc.llama_n_ubatch(ctx)))
@@ -234,12 +191,12 @@ class LlamaCppBatcher(Batcher):
             stats.finish_reason = "length"
             self._ended.append((key, None))
             return
-        grammar = self._session._grammar
+        grammar = self._engine.grammar
         mask = grammar.mask(sampling.constraint) if sampling.constraint is not None else None
         slot, keep = self._place(tokens)
         self._admitted += 1
-        seq = _Seq(key, slot.id, tokens, keep, limit, self._chain(sampling, mask), mask,
-                   stats, self._admitted)
+        chain = sequence_chain(self._engine, sampling, mask)
+        seq = _Seq(key, slot.id, tokens, keep, limit, chain, mask, stats, self._admitted)
         seq.top = sampling.logprobs if stats.logprobs is not None else None
         slot.seq = seq
         self._seqs[key] = seq
@@ -298,13 +255,13 @@ class LlamaCppBatcher(Batcher):
         row it was drawn from, before the next decode overwrites the logits."""
         if seq.top is not None and seq.stats.logprobs is not None:
             row = llama_row(self._lc, self._ctx, seq.out, self._n_vocab)
-            seq.stats.logprobs.append(self._session._scorer.entry(row, token, seq.top))
+            seq.stats.logprobs.append(self._engine.scorer.entry(row, token, seq.top))
         return token
 
     def _take(self, seq: _Seq, token: int, events: list[tuple[int, str | None]]) -> None:
         """A token drawn for ``seq``: its end, or its piece."""
         key = seq.key
-        if self._lc.llama_vocab_is_eog(self._vocab, token):
+        if self._engine.is_eog(token):
             seq.stats.finish_reason = "stop"
             tail = seq.decoder.decode(b"", final=True)
             if tail:
@@ -321,7 +278,7 @@ class LlamaCppBatcher(Batcher):
         seq.tokens.append(token)
         seq.n_gen += 1
         seq.stats.completion_tokens = seq.n_gen
-        piece = seq.decoder.decode(self._session._piece(token))
+        piece = seq.decoder.decode(self._engine.piece(token))
         if seq.n_gen >= seq.limit:
             seq.stats.finish_reason = "length"
             events.append((key, piece + seq.decoder.decode(b"", final=True)))
@@ -345,10 +302,10 @@ class LlamaCppBatcher(Batcher):
         """The fewest sequences one decode of a token each runs faster than a decode per
         sequence (``capacity + 1``: never), timed now on empty slots (the fastest of
         ``repeats``). llama.cpp's CPU matmul for two tokens or more takes another kernel
-        (llamafile's tinyBLAS), which on some CPUs costs 3-4x the one-token kernel per
-        step (measured here: docs/results/llama_batch.md); there, a few sequences run
-        faster one decode each. Both give the same logits, bit for bit (checked on
-        SmolLM2), so the choice changes speed only."""
+        (llamafile's tinyBLAS), which on some CPUs costs several times the one-token
+        kernel per step (docs/results/llama_batch.md); there, a few sequences run faster
+        one decode each. Both give the same logits, bit for bit, so the choice changes
+        speed only."""
 
         def timed(n: int) -> float:
             best = float("inf")
@@ -429,28 +386,6 @@ class LlamaCppBatcher(Batcher):
             return False
         return True
 
-    def _chain(self, sampling: ResolvedSampling, mask: TokenMask | None) -> Any:
-        """The single path's sampler chain for one sequence (llama_cpp.temperature_first
-        over ``Llama._init_sampler``): same samplers, same order, same seed."""
-        from llama_cpp import _internals
-
-        chain: Any = getattr(_internals, "LlamaSampler")()  # noqa: B009 - untyped upstream
-        if mask is not None:
-            chain.add_custom(masking_sampler(self._lc, mask))
-        chain.add_penalties(self._n_vocab, self._last_n, sampling.repetition_penalty, 0.0, 0.0)
-        if sampling.temperature <= 0:
-            chain.add_greedy()
-            return chain
-        assert sampling.seed is not None, "the driver sets the seed"
-        chain.add_temp(sampling.temperature)
-        chain.add_top_k(sampling.top_k)
-        chain.add_typical(1.0, 1)
-        chain.add_top_p(sampling.top_p, 1)
-        chain.add_min_p(sampling.min_p, 1)
-        # as the single path: 2**32 - 1 means "random" to llama.cpp, so it goes in as 0
-        chain.add_dist(sampling.seed % self._lc.LLAMA_DEFAULT_SEED)
-        return chain
-
     # -- one step ------------------------------------------------------------------------
 
     def _chunk(self, seq: _Seq) -> int:
@@ -514,47 +449,10 @@ class LlamaCppBatcher(Batcher):
             seq.n_past = 0
 
 
-def make_batcher(session: LlamaCppSession) -> LlamaCppBatcher | None:
-    """The batcher for a session: slots that fit, at most ``session.max_concurrency``."""
-    capacity, _ = batch_slots(session)
+def make_batcher(engine: Engine, max_concurrency: int | None) -> LlamaCppBatcher | None:
+    """The batcher for a loaded model: the slots that fit, at most ``max_concurrency``
+    (None: no batcher where fewer than 2 fit)."""
+    capacity, _ = batch_slots(engine, max_concurrency)
     if capacity < 2:
         return None
-    return LlamaCppBatcher(session, capacity, _stream_tokens(session))
-
-
-def batch_slots(session: LlamaCppSession) -> tuple[int, int]:
-    """The slots :func:`make_batcher` would build now (those that fit, at most
-    ``session.max_concurrency``; under 2: no batcher) and the bytes of KV cache each
-    holds (a stream of the session's whole context), without building it."""
-    from localrun.memory import available_ram_bytes
-
-    stream = _stream_tokens(session) * kv_bytes_per_token(session)
-    fit = batch_capacity(stream, available_ram_bytes())
-    return min(fit, session.max_concurrency or MAX_CAPACITY), stream  # a stream per slot
-
-
-def _stream_tokens(session: LlamaCppSession) -> int:
-    """Tokens of one slot's KV stream: the session's context (llama.cpp pads it to 256)."""
-    return -(-int(session._llm.n_ctx()) // 256) * 256
-
-
-def kv_bytes_per_token(session: LlamaCppSession) -> int:
-    """KV cache bytes per token of the session's model, in its KV cache type."""
-    from localrun.backends.llama_cpp.facts import KV_TYPES
-
-    lc, model = session._lc, session._llm._model.model
-    n_head = max(int(lc.llama_model_n_head(model)), 1)
-    head_dim = int(lc.llama_model_n_embd(model)) // n_head
-    try:
-        from localrun.formats.gguf import read_gguf
-        from localrun.memory import shape_from_gguf_metadata
-
-        shape = shape_from_gguf_metadata(read_gguf(session.info.path).metadata)
-    except (LocalrunError, OSError, ValueError):
-        shape = None
-    if shape is not None:  # the GGUF's own key/value length (Gemma's differs)
-        head_dim = shape.head_dim
-    type_k = str(session.placement.kwargs.get("type_k", "GGML_TYPE_F16"))
-    elem = next((b for name, b in KV_TYPES.values() if name == type_k), 2.0)
-    per = 2 * int(lc.llama_model_n_layer(model)) * int(lc.llama_model_n_head_kv(model))
-    return int(per * head_dim * elem)
+    return LlamaCppBatcher(engine, capacity, stream_tokens(engine))

@@ -1,33 +1,14 @@
 """Which cached KV cells of a llama.cpp context a new prompt may keep, so that its tokens
-come out as ``Llama.generate`` computes them for the whole prompt: the rule shared by the
-single path (llama_cpp.py) and the batcher (llama_cpp_batch.py), which must not import
-each other. llama.cpp's CPU kernels are not batch-invariant; :func:`reusable_prefix`
-says why and what that keeps (docs/results/llama_batch.md)."""
+come out as ``Llama.generate`` computes them for the whole prompt: the rule of both the
+single path (the session) and the batcher. llama.cpp's CPU kernels are not
+batch-invariant; :func:`reusable_prefix` says why and what that keeps
+(docs/results/llama_batch.md)."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 #: Query rows from which llama.cpp's CPU flash attention takes its tiled kernel
 #: (GGML_FA_TILE_Q in ggml-cpu/common.h); see reusable_prefix.
 TILE = 64
-#: Prompt tokens compared at once when looking for a common prefix (C-speed slices).
-_CHUNK = 256
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n:  # whole chunks compared as slices, then the first differing one by token
-        j = min(i + _CHUNK, n)
-        if a[i:j] == b[i:j]:
-            i = j
-            continue
-        while a[i] == b[i]:
-            i += 1
-        return i
-    return n
 
 
 def reusable_prefix(n_prompt: int, common: int, chunk: int, cached_prompt: int) -> int:

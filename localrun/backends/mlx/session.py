@@ -2,7 +2,7 @@
 
 mlx streams are thread-local since mlx 0.31, and a Model is called from whichever
 thread the user has: so every mlx call (load, seeding, prefill, decode) runs on one
-worker thread, the process's mlx thread (:func:`_shared_worker`). ``generate`` hands
+worker thread, the process's mlx thread (:func:`~.engine.shared_worker`). ``generate`` hands
 it a job and reads text pieces back through a :class:`~localrun.backends._worker.Relay`;
 closing the generator early (stop string, cancel, abandoned stream) sets a flag the
 worker checks between tokens, and waits for the job to end, so the Session is ready
@@ -21,12 +21,12 @@ temperature > 0        **first**, then top_k, top_p, min_p (transformers' order)
                        mlx-lm's ``apply_top_k/apply_top_p/apply_min_p`` and a
                        categorical draw: ``make_sampler`` applies the
                        temperature last, and top_p before top_k
-                       (:func:`~localrun.backends.mlx.batcher.seeded_sampler`)
+                       (:func:`~.sampling.seeded_sampler`)
 top_p (1 = off)        ``apply_top_p`` (only when 0 < top_p < 1)
 top_k (0 = off)        ``apply_top_k`` (0 = off, the same convention)
 min_p (0 = off)        ``apply_min_p`` (0 = off)
 repetition_penalty     ``make_logits_processors(repetition_penalty=...)`` over the
-                       last :data:`~localrun.backends.mlx.batcher.REPETITION_CONTEXT`
+                       last :data:`~.sampling.REPETITION_CONTEXT`
                        tokens (llama.cpp's window), the cached prompt included;
                        not installed at 1.0
 seed                   the request's own key chain, ``mx.random.key(seed)`` split per
@@ -41,34 +41,32 @@ EOS                    the tokenizer's ``eos_token_ids`` plus every id in
 
 **KV reuse**: each call takes the prompt cache of a recent call sharing the longest
 prefix with its prompt and prefills only the rest; its own cache (prompt and reply) is
-kept for the next (:class:`~localrun.backends.mlx.batcher.PrefixCache`, a few entries).
-**Batching**: overlapping calls go through mlx-lm's ``BatchGenerator``
-(:meth:`MLXSession.batcher`); a call alone runs here, through ``generate_step``, which
-is a little faster for one sequence (``batch_alone`` is False).
+kept for the next (:class:`~.reuse.PrefixCache`, a few entries).
+**Batching**: overlapping calls go through mlx-lm's ``BatchGenerator`` (:mod:`.batcher`,
+given the loaded model as an :class:`~.engine.Engine`); a call alone runs here, through
+``generate_step``, which is a little faster for one sequence (``batch_alone`` is False).
 
 Text comes from mlx-lm's streaming detokenizer with its trimming of the reply's first
-space turned off (:func:`keep_first_space`): a completion is the text that follows the
+space turned off (:func:`~.engine.keep_first_space`): a completion is the text that follows the
 prompt, " the" after "The cat is", as on every other engine.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from localrun.backends import engine_version, not_installed
-from localrun.backends._worker import Relay, Worker
+from localrun.backends._worker import Relay
 from localrun.backends.base import (
     Batcher,
     GenerationStats,
     LoadRequest,
     Prompt,
     Session,
-    check_options,
+    SessionBackend,
 )
 from localrun.backends.hf_config import (
     architecture,
@@ -78,20 +76,15 @@ from localrun.backends.hf_config import (
     sampling_defaults,
     trained_context,
 )
+from localrun.backends.installed import installed_version, missing
 from localrun.backends.logprobs import PROMPT_ROWS, Scorer, TokenBytes, check_ids
-from localrun.backends.mlx.batcher import (
-    CAPACITY,
-    MLXBatcher,
-    PrefixCache,
-    reuse_processors,
-    seeded_sampler,
-    with_raw,
-)
-from localrun.errors import (
-    ChatTemplateError,
-    LocalrunError,
-    ModelFileError,
-)
+from localrun.backends.mlx.batcher import CAPACITY, MLXBatcher
+from localrun.backends.mlx.engine import Engine, shared_worker
+from localrun.backends.mlx.facts import SPEC
+from localrun.backends.mlx.reuse import PrefixCache
+from localrun.backends.mlx.sampling import reuse_processors, seeded_sampler, with_raw
+from localrun.backends.options import check_options
+from localrun.errors import ChatTemplateError, LocalrunError, ModelFileError
 from localrun.memory import context_window
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
@@ -100,24 +93,6 @@ from localrun.types import CancelToken, FinishReason, Message, ModelInfo, TokenL
 
 #: Tokenizer files of which an MLX folder needs one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-_SHARED: Worker | None = None
-_SHARED_LOCK = threading.Lock()
-
-
-def _shared_worker() -> Worker:
-    """The one mlx thread of this process, shared by every MLX session.
-
-    mlx streams are thread-local, and a thread that used them must not end before the
-    process does: ending one worker per closed session sometimes aborted the process
-    at exit ("terminate called without an active exception", seen in CI here).
-    """
-    global _SHARED
-    with _SHARED_LOCK:
-        if _SHARED is None:
-            _SHARED = Worker("localrun-mlx")
-        return _SHARED
 
 
 def _check_files(folder: Path) -> None:
@@ -151,13 +126,13 @@ DEVICE_WORDS: dict[str, tuple[str, ...]] = {"metal": ("metal", "gpu", "mps"), "c
 def _context_kv_bytes(config: dict[str, Any], context: int, device: str) -> int | None:
     """Bytes of a prompt cache of ``context`` tokens (rounded up to mlx-lm's KVCache
     steps of 256), as the memory estimate counts MLX's KV cache; None: shape unknown."""
-    from localrun.memory import estimate, shape_from_config
+    from localrun.memory import estimate, memory_row, shape_from_config
 
     shape = shape_from_config(config)
     if shape is None:
         return None
-    return estimate(0, shape, -(-context // 256) * 256, backend="mlx",
-                    device=device).kv_cache_bytes
+    return estimate(0, shape, -(-context // 256) * 256,
+                    engine=memory_row(SPEC, device)).kv_cache_bytes
 
 
 def _device(requested: str | None) -> str:
@@ -173,7 +148,7 @@ def _device(requested: str | None) -> str:
 class MLXSession(Session):
     def __init__(self, request: LoadRequest) -> None:
         path = Path(request.path).expanduser()
-        check_options("mlx", request.options)
+        check_options(SPEC, request.options)
         device = _device(request.device)
         # mlx_lm.load treats a path that does not exist as a Hub repo id and downloads
         # it: the checks come first.
@@ -185,37 +160,38 @@ class MLXSession(Session):
             import mlx_lm
             from mlx_lm.generate import generate_step
         except ImportError as e:  # installed per metadata but broken
-            raise not_installed("mlx", reason=str(e)) from e
+            raise missing(SPEC, reason=str(e)) from e
         self._mx = mx
         self._generate_step = generate_step
-        self._worker: Worker | None = _shared_worker()
+        worker = shared_worker()
         try:
-            loaded: Any = self._worker.call(lambda: mlx_lm.load(str(path)))
-            self._model, self._tok = loaded[0], loaded[1]
+            loaded: Any = worker.call(lambda: mlx_lm.load(str(path)))
         except Exception as e:
-            self._worker = None
             raise ModelFileError(str(path), f"mlx-lm could not load it "
                                  f"({type(e).__name__}: {str(e).strip()[:300]})") from e
-        self._eos = frozenset(set(self._tok.eos_token_ids) | eos_ids(gen_config, config))
-        self._prefixes = PrefixCache(self._model)  # used on the mlx thread only
+        model, tok = loaded[0], loaded[1]
+        eos = frozenset(set(tok.eos_token_ids) | eos_ids(gen_config, config))
+        vocab = config.get("vocab_size")
+        self._engine: Engine | None = Engine(
+            worker, model, tok, eos,
+            prefixes=PrefixCache(model),
+            grammar=LazyGrammar("mlx", lambda: tokenizer_in_folder(path, sorted(eos), "MLX"),
+                                vocab if isinstance(vocab, int) else None),
+            scorer=Scorer(TokenBytes(path / "tokenizer.json", lambda t: str(tok.decode([t])))))
+        self._tok = tok  # encoding needs no mlx thread
         self._batcher: MLXBatcher | None = None
         self._capacity = CAPACITY[device]
-        self.chat_template = getattr(self._tok, "chat_template", None)
-        self.bos_token = str(getattr(self._tok, "bos_token", None) or "")
-        self.eos_token = str(getattr(self._tok, "eos_token", None) or "")
-        vocab = config.get("vocab_size")
-        self._grammar = LazyGrammar("mlx", lambda: tokenizer_in_folder(
-            path, sorted(self._eos), "MLX"), vocab if isinstance(vocab, int) else None)
-        self._vocab = vocab if isinstance(vocab, int) else len(self._tok.get_vocab())
-        tok = self._tok
-        self._scorer = Scorer(TokenBytes(path / "tokenizer.json", lambda t: str(tok.decode([t]))))
+        self.chat_template = getattr(tok, "chat_template", None)
+        self.bos_token = str(getattr(tok, "bos_token", None) or "")
+        self.eos_token = str(getattr(tok, "eos_token", None) or "")
+        self._vocab = vocab if isinstance(vocab, int) else len(tok.get_vocab())
         self.sampling_defaults = sampling_defaults(gen_config)
         quant = config.get("quantization")
         bits = quant.get("bits") if isinstance(quant, dict) else None
         trained = trained_context(config)
         self.info = ModelInfo(
             backend="mlx",
-            engine_version=engine_version("mlx") or "unknown",
+            engine_version=installed_version(SPEC) or "unknown",
             format="mlx",
             quantization=f"{bits}bit" if bits else None,
             path=str(path),
@@ -225,7 +201,7 @@ class MLXSession(Session):
             name=str(config.get("_name_or_path") or path.name),
             device=device,
         )
-        self.kept_cache_bytes = self._prefixes.most_bytes(_context_kv_bytes(
+        self.kept_cache_bytes = self._engine.prefixes.most_bytes(_context_kv_bytes(
             config, self.info.context_length or 0, device))
 
     # -- encoding ---------------------------------------------------------------------
@@ -253,13 +229,18 @@ class MLXSession(Session):
 
     features = frozenset({"logprobs", "top", "echo", "tokens"})
 
-    def prompt_logprobs(self, prompt: Prompt, top: int) -> list[TokenLogprob]:
-        worker = self._worker
-        if worker is None:
+    @property
+    def engine(self) -> Engine:
+        """The loaded model (what the batcher is given); LocalrunError once closed."""
+        if self._engine is None:
             raise LocalrunError("This MLX session is closed", hint="load the model again")
-        return worker.call(lambda: self._score(list(prompt.tokens), top))
+        return self._engine
 
-    def _score(self, tokens: list[int], top: int) -> list[TokenLogprob]:
+    def prompt_logprobs(self, prompt: Prompt, top: int) -> list[TokenLogprob]:
+        engine = self.engine
+        return engine.worker.call(lambda: self._score(engine, list(prompt.tokens), top))
+
+    def _score(self, engine: Engine, tokens: list[int], top: int) -> list[TokenLogprob]:
         """On the mlx thread: the prompt through the model in pieces of
         :data:`~localrun.backends.logprobs.PROMPT_ROWS` tokens, every position's logits
         kept; the cache is offered to the prefix cache, so the reply that follows
@@ -268,38 +249,40 @@ class MLXSession(Session):
         from mlx_lm.models.cache import make_prompt_cache
 
         mx = self._mx
-        cache = make_prompt_cache(self._model)
-        out = [self._scorer.first(tokens[0])]
+        cache = make_prompt_cache(engine.model)
+        out = [engine.scorer.first(tokens[0])]
         for start in range(0, len(tokens), PROMPT_ROWS):
-            logits = self._model(mx.array(tokens[start:start + PROMPT_ROWS])[None], cache=cache)
+            logits = engine.model(mx.array(tokens[start:start + PROMPT_ROWS])[None],
+                                  cache=cache)
             rows = np.array(logits[0].astype(mx.float32))
-            out += self._scorer.prompt(rows, tokens, start, top)
-        self._prefixes.keep(tokens, cache)
+            out += engine.scorer.prompt(rows, tokens, start, top)
+        engine.prefixes.keep(tokens, cache)
         return out
 
     # -- constrained decoding (llguidance as a logits processor) ------------------------
 
     def check_constraint(self, constraint: Constraint) -> None:
-        self._grammar.check(constraint)
+        self.engine.grammar.check(constraint)
 
     # -- generation -------------------------------------------------------------------
 
-    def _run(self, prompt: Prompt, sampling: ResolvedSampling, cancel: CancelToken,
-             relay: Relay[tuple[FinishReason, str]], stats: GenerationStats,
-             mask: TokenMask | None = None) -> tuple[FinishReason, str]:
+    def _run(self, engine: Engine, prompt: Prompt, sampling: ResolvedSampling,
+             cancel: CancelToken, relay: Relay[tuple[FinishReason, str]],
+             stats: GenerationStats, mask: TokenMask | None = None
+             ) -> tuple[FinishReason, str]:
         """One request, on the worker thread: (why it ended, the detokenizer's held-back
         text). Prefills only what the longest cached prefix lacks."""
         tokens = list(prompt.tokens)
-        cache, reused = self._prefixes.borrow(tokens)
-        detok = keep_first_space(self._tok.detokenizer)
+        cache, reused = engine.prefixes.borrow(tokens)
+        detok = engine.detokenizer()
         detok.reset()
-        eos = self._eos
+        eos = engine.eos
         limit = sampling.max_tokens
         entries, top = stats.logprobs, sampling.logprobs or 0  # None: not asked
         procs, raw = with_raw(reuse_processors(sampling, mask, tokens, reused),
                               entries is not None)
         steps = self._generate_step(
-            self._mx.array(tokens[reused:]), self._model, max_tokens=limit,
+            self._mx.array(tokens[reused:]), engine.model, max_tokens=limit,
             sampler=seeded_sampler(sampling), prompt_cache=cache, logits_processors=procs)
         reason: FinishReason = "length"
         t0 = time.perf_counter()
@@ -314,7 +297,7 @@ class MLXSession(Session):
                 given.append(int(token))
                 if entries is not None:  # before its piece (base.GenerationStats)
                     assert raw is not None
-                    entries.append(self._scorer.entry(raw.row(logprobs), int(token), top))
+                    entries.append(engine.scorer.entry(raw.row(logprobs), int(token), top))
                 if token in eos:
                     reason = "stop"
                     break
@@ -331,26 +314,19 @@ class MLXSession(Session):
             stats.prefill_seconds = t_first - t0 if t_first else 0.0
             stats.decode_tokens = max(n - 1, 0)
             stats.decode_seconds = t_last - t_first if n > 1 else 0.0
-        self._prefixes.keep(tokens + given, cache)  # for the next call (not after an error)
+        engine.prefixes.keep(tokens + given, cache)  # for the next call (not after an error)
         return reason, tail
 
-    def generate(
-        self,
-        prompt: Prompt,
-        sampling: ResolvedSampling,
-        cancel: CancelToken,
-        stats: GenerationStats,
-    ) -> Iterator[str]:
-        worker = self._worker
-        if worker is None:
-            raise LocalrunError("This MLX session is closed", hint="load the model again")
+    def generate(self, prompt: Prompt, sampling: ResolvedSampling, cancel: CancelToken,
+                 stats: GenerationStats) -> Iterator[str]:
+        engine = self.engine
         # The worker fills the engine timings into its own stats object; we count
         # the pieces the caller actually received.
         engine_stats = GenerationStats(logprobs=stats.logprobs)  # entries: the same list
-        mask = self._grammar.mask(sampling.constraint) if sampling.constraint else None
+        mask = engine.grammar.mask(sampling.constraint) if sampling.constraint else None
         relay: Relay[tuple[FinishReason, str]] = Relay()
-        worker.submit(relay.job(lambda: self._run(prompt, sampling, cancel, relay,
-                                                  engine_stats, mask)))
+        engine.worker.submit(relay.job(lambda: self._run(engine, prompt, sampling, cancel,
+                                                         relay, engine_stats, mask)))
         try:
             for piece in relay:
                 stats.completion_tokens += 1
@@ -366,7 +342,7 @@ class MLXSession(Session):
             stats.decode_tokens = engine_stats.decode_tokens
             stats.decode_seconds = engine_stats.decode_seconds
 
-    # -- batching (localrun.backends.mlx.batcher) -------------------------------------------
+    # -- batching (.batcher) ---------------------------------------------------------------
 
     #: One sequence through generate_step costs a little less than through the
     #: BatchGenerator (its per-step bookkeeping, a thread hand-off per token): measured
@@ -374,51 +350,18 @@ class MLXSession(Session):
     batch_alone = False
 
     def batcher(self) -> Batcher | None:
-        worker = self._worker
-        if worker is None:
-            raise LocalrunError("This MLX session is closed", hint="load the model again")
+        engine = self.engine
         if self._batcher is None:
-            tok = self._tok
-            self._batcher = MLXBatcher(worker, self._model, self._eos,
-                                       lambda: keep_first_space(tok.detokenizer),
-                                       self._prefixes, self._grammar.mask, self._capacity,
-                                       self._scorer)
+            self._batcher = MLXBatcher(engine, self._capacity)
         return self._batcher
 
     def close(self) -> None:
-        worker, self._worker = self._worker, None
-        if worker is not None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
             batcher, self._batcher = self._batcher, None
             if batcher is not None:
                 batcher.close()
-            worker.call(self._prefixes.clear)  # the kept caches' memory goes now
-            self._model = None
+            engine.worker.call(engine.prefixes.clear)  # the kept caches' memory goes now
 
 
-def keep_first_space(detok: Any) -> Any:
-    """mlx-lm's streaming detokenizer with the first space of the text kept.
-
-    The BPE and SentencePiece detokenizers drop a leading space of their text
-    (``_maybe_trim_space``, ``trim_space``): the reply to "The cat is" would read
-    "the" where llama.cpp, OpenVINO and ONNX give " the". The naive detokenizer (models
-    without tokenizer.json) decodes with the tokenizer itself and is left as it is.
-    """
-    if hasattr(detok, "trim_space"):  # SPMStreamingDetokenizer
-        detok.trim_space = False
-    if hasattr(detok, "_maybe_trim_space"):  # BPEStreamingDetokenizer
-
-        def keep(text: str) -> str:
-            return text
-
-        detok._maybe_trim_space = keep
-    return detok
-
-
-class MLXBackend:
-    name = "mlx"
-
-    def load(self, request: LoadRequest) -> Session:
-        return MLXSession(request)
-
-
-BACKEND = MLXBackend()
+BACKEND = SessionBackend("mlx", MLXSession)

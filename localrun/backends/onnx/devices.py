@@ -47,11 +47,11 @@ def require_build(provider: str, device: str) -> None:
     own error would say only that the provider failed), naming what to install."""
     if provider == "cpu":
         return
-    from localrun.backends import BACKENDS, installed_build
+    from localrun.backends.installed import installed_build
+    from localrun.backends.onnx.facts import SPEC as spec
 
-    spec = BACKENDS["onnx"]
     needed = next((b for b in spec.builds if b.device == provider), None)
-    have = installed_build("onnx")
+    have = installed_build(spec)
     if needed is None or (have is not None and have.device == provider):
         return
     current = have.dist if have is not None else spec.dists[0]

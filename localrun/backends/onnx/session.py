@@ -6,62 +6,44 @@ model, ``get_logits`` gives the next token's scores, and localrun's sampler
 the token, which is appended in turn. Plain greedy calls (no repetition penalty, no
 constraint, no logprobs) let the engine pick (``generate_next_token`` on a greedy
 Generator: the engine's own loop, the same tokens). The engine's sampler is never used:
+a Generator's search options (sampling, seed, ``max_length``) are fixed when it is made,
+so the one kept across calls could not sample with each call's own options and seed;
+localrun's sampler can (numpy PCG64 seeded per call: the same seed gives the same text
+whether or not the cache was reused), and costs less than the engine's at top_p alone.
 
-* **KV reuse across calls.** The session keeps one ``og.Generator`` (one KV cache) from
-  call to call; a call ``rewind_to``-s the longest prefix it shares with the previous
-  prompt and prefills only the rest, so a conversation or an agent's long system prompt
-  is not prefilled again each turn. A Generator's search options (sampling, seed,
-  ``max_length``) are fixed when it is made, so a kept one cannot sample with each
-  call's own options and seed; localrun's sampler can (numpy PCG64 seeded per call: the
-  same seed gives the same text whether or not the cache was reused).
-* **Speed.** Per token on a 2-core x86 CPU, SmolLM2-135M int4: greedy is the engine's
-  loop; top_p 0.9 without top_k costs 19 ms through localrun's sampler, 30 ms through
-  the engine's (it sorts the vocabulary).
-
-What is reused: only rows that a fresh prefill of the new prompt computes bit for bit
-the same (:func:`reusable`): ONNX Runtime's CPU kernels (MLAS) multiply the int4 weights
-in tiles of :data:`ROW_TILE` prompt rows, and a tile of one row takes the single-row
-kernel, whose sums differ (up to 0.7 logit on SmolLM2-135M). So greedy output with reuse
-is the output without, token for token (tests/test_onnx_kv_reuse.py).
-``stats.prefill_tokens`` counts the tokens prefilled. Checked on CPU only (GPU kernels
-may tile otherwise: there the rule is kept, bit-exactness is untested).
+**KV reuse across calls.** The session keeps one ``og.Generator`` (one KV cache) from
+call to call; a call ``rewind_to``-s the longest prefix it shares with the previous
+prompt and prefills only the rest. Only rows that a fresh prefill of the new prompt
+computes bit for bit the same are reused (:func:`~.reuse.reusable`: the CPU kernels
+tile prompt rows, and a tile of one row takes another kernel), so greedy output with
+reuse is the output without, token for token (tests/test_onnx_kv_reuse.py; checked on
+CPU only).
 
 * The previous **prompt**'s rows, always.
-* The previous **reply**'s rows once they are *settled*. A reply's rows come from
-  one-token decode steps (the single-row kernel), so they are not reusable as they are.
-  When a call's reply ends (at EOS, a limit, a stop string, a closed or cancelled
-  stream) and the call is still the newest, a thread waits :data:`SETTLE_DELAY` idle,
-  then ``rewind_to``-s the prompt's exact rows and ``append_tokens`` the reply's token
-  ids (its EOS too) in pieces of :data:`SETTLE_MIN_ROWS` to :data:`SETTLE_MAX_ROWS`
-  rows (one tile of 2+ rows each), sized to take about :data:`SETTLE_PIECE_SECONDS`:
-  the rows become those a fresh prefill computes, and the next turn prefills only its
-  new message (a 96-token reply settles in ~0.2-0.5 s on a 2-core CPU; 1 s later, the
-  next turn's TTFT is ~1.0-1.5x turn 2's instead of ~2.7x: docs/results/kv_reuse.md).
-  A new call, ``close()`` or a Generator regrow stops the settle between pieces (waiting
-  for at most the piece running, whose rows it then reuses) and keeps the rows settled
-  so far. A call within the delay (a script's next call, a batch) finds nothing started
-  and prefills the previous reply as before: back-to-back calls cost nothing more. The
-  settle is CPU work (a prefill of the reply, once) done while the caller reads or runs
-  a tool, wasted when the next prompt does not continue the conversation; and
-  ``append_tokens`` holds the GIL, so the process's other Python threads stall for up to
-  a piece at a time (measured: 40-48 ms). A failed settle raises nothing: the next call
-  drops the Generator (a cold prefill). ``SETTLE=False`` (an engine option) turns it off.
+* The previous **reply**'s rows once they are *settled*: a reply's rows come from
+  one-token decode steps, so they are not reusable as they are. When a call's reply
+  ends and the call is still the newest, a thread waits :data:`SETTLE_DELAY` idle, then
+  recomputes the reply's rows as a prefill, in pieces of :data:`SETTLE_MIN_ROWS` to
+  :data:`SETTLE_MAX_ROWS` rows sized to take about :data:`SETTLE_PIECE_SECONDS`, so the
+  next turn prefills only its new message. A new call, ``close()`` or a Generator
+  regrow stops the settle between pieces and keeps the rows settled so far; a call
+  within the delay finds nothing started. The settle is CPU work done while the caller
+  reads or runs a tool, wasted when the next prompt does not continue the conversation,
+  and ``append_tokens`` holds the GIL for a piece at a time. A failed settle raises
+  nothing: the next call drops the Generator. ``SETTLE=False`` turns it off.
 
 One cached prefix per Model: a Generator is one KV cache with no snapshot to go back
-to, so an agent alternating two system prompts prefills each again on every switch
-(several prefixes would take a Generator, and a whole KV buffer, each).
+to, so an agent alternating two system prompts prefills each again on every switch.
 
-Memory: the kept Generator holds its KV buffer between calls (``past_present_share_buffer``
-allocates it for ``max_length`` tokens up front): ``max_length`` x layers x 2 x KV heads
-x head size x 4 bytes (float32 on CPU), 45 KiB a token for SmolLM2-135M. It starts at
-:data:`KEPT_TOKENS` tokens and doubles when a call needs more (prompt + max_tokens), up
-to the context (SmolLM2-135M at 8192: 360 MiB); growing starts a new, empty Generator.
-``close()`` frees it.
+Memory: the kept Generator holds its KV buffer between calls (``max_length`` x layers x
+2 x KV heads x head size x the I/O type's bytes, allocated up front). It starts at
+:data:`KEPT_TOKENS` tokens and doubles when a call needs more, up to the context;
+growing starts a new, empty Generator. ``close()`` frees it.
 
-Batching: none; the driver runs calls one at a time. A Generator with ``batch_size`` > 1
-fixes its rows when made and needs padded prompts (SmolLM2 pads with its EOS, which the
-attention mask hides everywhere); 0.18's ``og.Engine`` batches only requests that start
-together, shows no logits and keeps no prefix: docs/results/kv_reuse.md measures both.
+Batching: none; the driver runs calls one at a time (a batched Generator fixes its rows
+when made and needs padded prompts; ``og.Engine`` batches only requests that start
+together and keeps no prefix). The measurements behind all of this:
+docs/results/kv_reuse.md, "ONNX Runtime GenAI".
 
 Other engine facts: EOS is ``Tokenizer.eos_token_ids`` plus genai_config /
 generation_config ids (the engine reports no finish reason); stop strings are the
@@ -78,13 +60,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from localrun.backends import engine_version, not_installed
 from localrun.backends.base import (
     GenerationStats,
     LoadRequest,
     Prompt,
     Session,
-    check_options,
+    SessionBackend,
 )
 from localrun.backends.hf_config import (
     eos_ids,
@@ -94,9 +75,13 @@ from localrun.backends.hf_config import (
     sampling_defaults,
     token_ids,
 )
+from localrun.backends.installed import installed_version, missing
 from localrun.backends.logits_sampler import LogitsSampler
 from localrun.backends.logprobs import Scorer, TokenBytes, check_ids, onnx_prompt
 from localrun.backends.onnx.devices import config_device, parse_device, require_build
+from localrun.backends.onnx.facts import SPEC
+from localrun.backends.onnx.reuse import ROW_TILE, reusable
+from localrun.backends.options import check_options
 from localrun.errors import (
     ChatTemplateError,
     GenerationError,
@@ -110,11 +95,6 @@ from localrun.structured.constraint import Constraint
 from localrun.structured.grammar import LazyGrammar, tokenizer_in_folder
 from localrun.types import CancelToken, Message, ModelInfo, TokenLogprob
 
-#: Prompt rows per tile of ONNX Runtime's CPU int4 matmul (MLAS ``StrideM``), counted
-#: from the first row of each ``append_tokens``; a tile of one row takes the single-row
-#: kernel, whose sums differ from a larger tile's (see :func:`reusable`).
-ROW_TILE = 128
-
 #: Tokens the kept Generator's KV buffer holds at first; it doubles when a call needs more.
 KEPT_TOKENS = 1024
 
@@ -124,9 +104,9 @@ SETTLE_DELAY = 0.05
 #: Rows in a settle's first piece. The next pieces are sized to take about
 #: SETTLE_PIECE_SECONDS (a new call waits for the piece running; other Python threads,
 #: since append_tokens holds the GIL), SETTLE_MIN_ROWS to SETTLE_MAX_ROWS rows: a call
-#: costs about 4 rows' time whatever its size (SmolLM2-135M, 2-core CPU: 2 rows 9 ms, 8
-#: rows 22 ms, 32 rows 69 ms), so smaller pieces would mostly pay that. Each piece is
-#: one row tile (less than ROW_TILE) of 2 rows or more, never a tile of one row.
+#: has a fixed cost of a few rows' time, so smaller pieces would mostly pay that
+#: (docs/results/kv_reuse.md). Each piece is one row tile (less than ROW_TILE) of 2 rows
+#: or more, never a tile of one row.
 SETTLE_FIRST_ROWS = 16
 SETTLE_MIN_ROWS = 8
 SETTLE_MAX_ROWS = 32
@@ -166,7 +146,7 @@ class OnnxGenAISession(Session):
         try:
             import onnxruntime_genai as og
         except ImportError as e:  # installed per metadata but broken
-            raise not_installed("onnx", reason=str(e)) from e
+            raise missing(SPEC, reason=str(e)) from e
         self._og = og
         self._gen: Any = None  # the kept og.Generator (module docstring)
         self._gen_tokens = 0  # the tokens its KV buffer holds
@@ -180,7 +160,7 @@ class OnnxGenAISession(Session):
         self._settled = threading.Event()  # set while no settle runs
         self._settled.set()
         self._broken = False  # a settle failed: the next call drops the Generator
-        settle = check_options("onnx", request.options).get("SETTLE", True)
+        settle = check_options(SPEC, request.options).get("SETTLE", True)
         self._settle_delay: float | None = SETTLE_DELAY if settle else None  # None: off
         if request.device:
             provider, index = parse_device(request.device)
@@ -231,7 +211,7 @@ class OnnxGenAISession(Session):
         trained = trained if isinstance(trained, int) and trained > 0 else None
         self.info = ModelInfo(
             backend="onnx",
-            engine_version=engine_version("onnx") or "unknown",
+            engine_version=installed_version(SPEC) or "unknown",
             format="onnx",
             quantization=_quantization(path),
             path=str(path),
@@ -316,13 +296,8 @@ class OnnxGenAISession(Session):
         self._cached = _NOTHING
         self._broken = False
 
-    def generate(
-        self,
-        prompt: Prompt,
-        sampling: ResolvedSampling,
-        cancel: CancelToken,
-        stats: GenerationStats,
-    ) -> Iterator[str]:
+    def generate(self, prompt: Prompt, sampling: ResolvedSampling, cancel: CancelToken,
+                 stats: GenerationStats) -> Iterator[str]:
         import numpy as np
 
         limit = sampling.max_tokens  # the driver keeps it within the context
@@ -546,33 +521,6 @@ class _Settle:
 _NOTHING: Sequence[int] = ()
 
 
-def reusable(cached: Any, prompt: Any) -> int:
-    """How many leading tokens of ``prompt`` to keep from a Generator whose first
-    ``len(cached)`` rows hold ``cached`` (computed as a fresh prefill computes them), so
-    that prefilling the rest gives bit for bit the rows and logits of a fresh prefill of
-    the whole prompt (token ids: sequences or int arrays).
-
-    At most the common prefix less one token: the last prompt token always runs again,
-    for its logits. Then the appended rest must end in a one-row tile exactly when a
-    fresh prefill does (prompt length = 1 mod :data:`ROW_TILE`): such a prompt keeps a
-    whole number of tiles (its rest then tiles as the fresh prefill does); any other
-    keeps one token fewer where its rest would end in a tile of one.
-    """
-    import numpy as np
-
-    n = len(prompt)
-    limit = min(len(cached), n - 1)
-    if limit <= 0:
-        return 0
-    differ = np.flatnonzero(np.asarray(cached[:limit]) != np.asarray(prompt[:limit]))
-    common = int(differ[0]) if differ.shape[0] else limit
-    if n % ROW_TILE == 1:
-        return common - common % ROW_TILE
-    if (n - common) % ROW_TILE == 1:
-        return common - 1
-    return common
-
-
 def _quantization(folder: Path) -> str | None:
     """From the builder's name for the variant (cpu-int4-rtn-block-32, onnx-int4)."""
     m = re.search(r"(int4|int8|fp16|fp32|bf16)", str(folder).lower())
@@ -581,11 +529,4 @@ def _quantization(folder: Path) -> str | None:
     return None
 
 
-class OnnxGenAIBackend:
-    name = "onnx"
-
-    def load(self, request: LoadRequest) -> Session:
-        return OnnxGenAISession(request)
-
-
-BACKEND = OnnxGenAIBackend()
+BACKEND = SessionBackend("onnx", OnnxGenAISession)

@@ -1,4 +1,6 @@
-"""OpenVINO GenAI's ContinuousBatchingPipeline as the session's :class:`Batcher`.
+"""OpenVINO GenAI's ContinuousBatchingPipeline as the session's
+:class:`~localrun.backends.base.Batcher`, driven through the :class:`~.engine.Engine` the
+session hands it.
 
 On the CPU and GPUs every sequence runs through one ``ContinuousBatchingPipeline``
 (paged attention), alone or with others: the driver's engine thread ``add_request``\\ s
@@ -13,141 +15,31 @@ finished sequences, indexed by the tokens they hold, and a new prompt starts fro
 longest run of whole blocks it shares with any of them: the next turn of a chat
 prefills only the new turn, and a system prompt an agent sends again and again (or
 several, alternating) is prefilled once. The cache is one context's worth of blocks
-(:func:`kv_blocks`); blocks no sequence in flight holds are overwritten least recently
-used first.
+(:func:`~.engine.kv_blocks`); blocks no sequence in flight holds are overwritten least
+recently used first.
 
 ``step()`` holds the GIL for the whole engine step (the binding does not release it,
-unlike ``generate()``): other Python threads run between steps.
-
-Text: a step yields one token for up to ``CAPACITY`` sequences; their text pieces come
-from ONE detokenizer call per window length (:class:`Detokenizer`), not one call per
-token, which took 2-3% of a 32-prompt batch's engine thread.
-
-The session gives what the batcher needs explicitly (its pipeline, EOS ids, the
-tokenizer's batch decode, its GenerationConfig builder), so this module does not import
-the session's.
+unlike ``generate()``): other Python threads run between steps. A step's text pieces
+come from one detokenizer call per window length (:mod:`.text`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from localrun.backends.base import Batcher, GenerationStats, Prompt
 from localrun.backends.logprobs import Scorer, TokenBytes
-from localrun.backends.openvino.constraints import is_openvino_grammar_error, openvino_schema_error
+from localrun.backends.openvino.constraints import mapped_error
+from localrun.backends.openvino.engine import Engine
+from localrun.backends.openvino.text import Detokenizer, TextWindow
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
 from localrun.types import FinishReason
 
-#: Tokens the scheduler may process in one step (prefill chunks + one per decoding
-#: sequence). The engine default (256) splits the prefill of a batch of short chat
-#: prompts over many steps; 1024 keeps a 16-prompt batch's prefill to a step or two.
-MAX_BATCHED_TOKENS = 1024
 #: Sequences in flight at once: the pipeline's KV cache grows as they need it, and 32
 #: is the batch of ContinuousBatchingPipeline.generate() localrun is measured against.
 CAPACITY = 32
-#: Tokens per KV block: the engine's own choice per device (kv_cache_manager.hpp).
-KV_BLOCK_TOKENS = {"CPU": 32, "GPU": 16}
-#: Tokens decoded together before a sequence's detokenizer window restarts.
-DETOKENIZE_WINDOW = 8
-
-#: The tokenizer's batch decode: token lists in, one text per list out.
-DecodeMany = Callable[[list[list[int]]], list[str]]
-
-
-def kv_blocks(context: int, device: str) -> int:
-    """KV blocks for ``context`` tokens: the cache memory planning counts (one full
-    context). Sequences in flight share it (the scheduler admits what fits and
-    preempts when decoding outgrows it); what they leave holds earlier prompts'
-    prefixes until new tokens need the room, least recently used first. The engine's
-    own default instead grows the cache only as far as the sequences in flight need,
-    so the next prompt overwrote the last one's blocks and the KV of an alternated
-    system prompt was gone by its next turn."""
-    block = KV_BLOCK_TOKENS["GPU" if device.startswith("GPU") else "CPU"]
-    return -(-context // block) + 1
-
-
-def open_pipeline(path: str, device: str, properties: dict[str, Any], *, context: int,
-                  prefix_caching: bool = True) -> Any:
-    """A ContinuousBatchingPipeline over a model folder (or GGUF file)."""
-    import openvino_genai as og
-
-    scheduler = og.SchedulerConfig()
-    scheduler.max_num_batched_tokens = MAX_BATCHED_TOKENS
-    scheduler.dynamic_split_fuse = True
-    scheduler.enable_prefix_caching = prefix_caching
-    scheduler.num_kv_blocks = kv_blocks(context, device)
-    return og.ContinuousBatchingPipeline(path, scheduler, device, properties)
-
-
-class TextWindow:
-    """One sequence's detokenizer state: the recent tokens decoded together.
-
-    A token's text is what decoding the window adds to the window's previous text; a
-    byte-level token that ends mid-character adds nothing until the character is whole.
-    After DETOKENIZE_WINDOW tokens the window restarts from the last token (one token
-    of context keeps SentencePiece's leading spaces right) once a token has added text;
-    the text of that one-token window is decoded with the next token's window, in the
-    same call.
-    """
-
-    __slots__ = ("text", "tokens")
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.text: str | None = ""  # None: the window restarted; decode it again
-
-
-class Detokenizer:
-    """Text pieces for new tokens of many sequences, one decode call per window length.
-
-    Windows of the same length go to the tokenizer together; lengths are not mixed
-    because a batch decode pads the shorter lists with the pad token, which some
-    tokenizers do not skip."""
-
-    def __init__(self, decode_many: DecodeMany) -> None:
-        self._decode = decode_many
-
-    def pieces(self, new: Sequence[tuple[TextWindow, int]]) -> list[str]:
-        """The piece each (window, token) adds; one token per window per call."""
-        jobs: list[list[int]] = []
-        for window, token in new:
-            if window.text is None:
-                jobs.append(list(window.tokens))
-            window.tokens.append(token)
-            jobs.append(list(window.tokens))
-        texts = iter(self._decode_grouped(jobs))
-        out: list[str] = []
-        for window, _ in new:
-            if window.text is None:
-                window.text = next(texts)
-            full = next(texts)
-            if full.endswith("\ufffd"):  # a character still incomplete
-                out.append("")
-                continue
-            piece = full[len(window.text):]
-            out.append(piece)
-            window.text = full
-            # Restart only after a token that added text: OpenVINO's detokenizers drop
-            # the bytes of a character still incomplete (no "\ufffd" to see), and a
-            # restart then would lose them for good.
-            n = len(window.tokens)
-            if (piece and n >= DETOKENIZE_WINDOW) or n >= 4 * DETOKENIZE_WINDOW:
-                del window.tokens[:-1]
-                window.text = None
-        return out
-
-    def _decode_grouped(self, jobs: list[list[int]]) -> list[str]:
-        groups: dict[int, list[int]] = {}
-        for i, job in enumerate(jobs):
-            groups.setdefault(len(job), []).append(i)
-        out = [""] * len(jobs)
-        for idx in groups.values():
-            for i, text in zip(idx, self._decode([jobs[i] for i in idx]), strict=True):
-                out[i] = text
-        return out
 
 
 class _Sequence:
@@ -171,19 +63,19 @@ class ContinuousBatcher(Batcher):
     #: with (kv_blocks), which the session's memory already counts
     reserved_bytes = 0
 
-    def __init__(self, pipe: Any, *, eos: frozenset[int], decode_many: DecodeMany,
-                 config: Callable[[ResolvedSampling], Any]) -> None:
+    def __init__(self, engine: Engine) -> None:
         import numpy as np
         import openvino
-        import openvino_genai as og
 
         self._np, self._ov = np, openvino
-        self.pipe: Any = pipe
+        self._engine = engine
+        self.pipe: Any = engine.pipe
+        og = engine.og
         self._running = og.GenerationStatus.RUNNING
         self._finish_stop = og.GenerationFinishReason.STOP
-        self._eos = eos
+        self._eos = engine.eos
+        decode_many = engine.decode_many
         self._detok = Detokenizer(decode_many)
-        self._config = config
         self._active: dict[int, _Sequence] = {}
         # log probabilities: each token's text decoded alone (an IR folder has no
         # tokenizer.json), memoized
@@ -192,13 +84,13 @@ class ContinuousBatcher(Batcher):
     def add(self, key: int, prompt: Prompt, sampling: ResolvedSampling,
             stats: GenerationStats) -> None:
         ids = self._ov.Tensor(self._np.asarray([list(prompt.tokens)], dtype=self._np.int64))
-        config = self._config(sampling)
+        config = self._engine.config(sampling)
         if stats.logprobs is not None:  # the chosen token's, raw (logprobs.OPENVINO_RAW)
             config.logprobs = 1
         try:
             handle = self.pipe.add_request(key, ids, config)
         except RuntimeError as e:  # XGrammar refusing this sequence's schema
-            raise _mapped(e, sampling.constraint) from e
+            raise mapped_error(e, sampling.constraint) from e
         stats.started = time.perf_counter()
         stats.prefill_tokens = len(prompt.tokens)
         self._active[key] = _Sequence(handle, stats, sampling.constraint)
@@ -215,7 +107,7 @@ class ContinuousBatcher(Batcher):
         except RuntimeError as e:  # XGrammar refusing a schema mid-step
             constraint = next((s.constraint for s in self._active.values()
                                if s.constraint is not None), None)
-            raise _mapped(e, constraint) from e
+            raise mapped_error(e, constraint) from e
         eos, running, finish_stop = self._eos, self._running, self._finish_stop
         new: list[tuple[int, _Sequence, list[int]]] = []
         ended: list[int] = []
@@ -274,19 +166,3 @@ class ContinuousBatcher(Batcher):
                 self.pipe.step()
         finally:
             self.pipe = None
-
-
-def _mapped(error: RuntimeError, constraint: Constraint | None) -> Exception:
-    if constraint is not None and is_openvino_grammar_error(error):
-        return openvino_schema_error(constraint, error)
-    return error
-
-
-def cpu_precision(hint: Any) -> str:
-    """The CPU plugin's compute precision: the hint given, or its default on this CPU
-    (bf16 where the CPU has AVX-512 BF16 or AMX, else f32)."""
-    if hint:
-        return str(hint).lower()
-    import openvino
-
-    return str(openvino.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name())

@@ -211,3 +211,11 @@ def openvino_schema_error(constraint: Constraint, error: BaseException) -> Unsup
     text = " ".join(str(error).split())
     parts = re.split(r"\.(?:cc|cpp|h):\d+:\s*", text)
     return UnsupportedSchemaError(constraint.label, parts[-1] or text, backend="openvino")
+
+
+def mapped_error(error: Exception, constraint: Constraint | None) -> Exception:
+    """An engine error as the caller should see it: XGrammar refusing ``constraint``'s
+    schema as :func:`openvino_schema_error`, anything else as it is."""
+    if constraint is not None and is_openvino_grammar_error(error):
+        return openvino_schema_error(constraint, error)
+    return error

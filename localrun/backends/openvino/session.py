@@ -4,7 +4,8 @@ Two pipelines, one per session:
 
 * CPU and GPUs: ``ContinuousBatchingPipeline`` (paged attention) runs every sequence,
   alone or batched, as the session's :class:`~localrun.backends.base.Batcher`
-  (openvino_batch.py), with prefix caching: a prompt that starts like an earlier one
+  (:mod:`.batcher`, given the loaded pipeline as an :class:`~.engine.Engine`), with
+  prefix caching: a prompt that starts like an earlier one
   (the next turn of a chat, an agent's system prompt) prefills only what differs.
 * NPU, or ``ATTENTION_BACKEND="SDPA"``: ``LLMPipeline``, one sequence at a time, no KV
   reuse across calls. ``generate`` blocks until the reply is done and reports tokens
@@ -15,28 +16,7 @@ Two pipelines, one per session:
 We always pass a token tensor, never text: the pipeline then neither re-tokenizes nor
 re-applies a template, and ``prompt_tokens`` is exactly what we counted.
 
-How localrun's sampling options map onto ``GenerationConfig``:
-
-=====================  =========================================================
-localrun               OpenVINO GenAI
-=====================  =========================================================
-temperature 0          ``do_sample=False`` (greedy; sampling fields are ignored)
-temperature > 0        ``do_sample=True``, ``temperature``
-top_p (1 = off)        ``top_p``
-top_k (0 = off)        ``top_k``; 0 maps to the engine's "off" (the max size_t)
-min_p (0 = off)        ``min_p``
-repetition_penalty     ``repetition_penalty`` (applies to greedy decoding too); gap:
-                       the engine's window (not configurable), where llama.cpp and
-                       MLX look back over the last 64 tokens
-seed                   ``rng_seed``, always set (the driver draws one when the caller
-                       gives none: the engine's default is a fixed 0, which would
-                       repeat the same "random" reply)
-max_tokens             ``max_new_tokens`` (its default is unlimited: always set; the
-                       driver keeps it within the context)
-stop strings           handled by localrun's API layer (``stop_strings`` left empty)
-EOS                    ``stop_token_ids`` = every id in generation_config.json plus
-                       the tokenizer's EOS
-=====================  =========================================================
+How localrun's sampling options map onto ``GenerationConfig``: :mod:`.engine`.
 """
 
 from __future__ import annotations
@@ -46,7 +26,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from localrun.backends import engine_version, not_installed
 from localrun.backends._worker import Relay
 from localrun.backends.base import (
     Batcher,
@@ -54,7 +33,7 @@ from localrun.backends.base import (
     LoadRequest,
     Prompt,
     Session,
-    check_options,
+    SessionBackend,
 )
 from localrun.backends.hf_config import (
     architecture,
@@ -64,12 +43,15 @@ from localrun.backends.hf_config import (
     sampling_defaults,
     trained_context,
 )
+from localrun.backends.installed import installed_version, missing
 from localrun.backends.logprobs import openvino_features
-from localrun.backends.openvino.constraints import (
-    is_openvino_grammar_error,
-    openvino_schema_error,
-    openvino_structured_config,
-)
+from localrun.backends.openvino import batcher as openvino_batch
+from localrun.backends.openvino.constraints import mapped_error, openvino_structured_config
+from localrun.backends.openvino.devices import cpu_kv_precision, npu_lengths, ov_device
+from localrun.backends.openvino.engine import SIZE_MAX, Engine, open_pipeline
+from localrun.backends.openvino.facts import SPEC
+from localrun.backends.openvino.text import Detokenizer, TextWindow
+from localrun.backends.options import check_options
 from localrun.errors import (
     ChatTemplateError,
     ContextOverflowError,
@@ -95,66 +77,6 @@ IR_WEIGHT_TYPES: tuple[tuple[str, str], ...] = (
     ("u4", "int4"), ("i4", "int4"), ("nf4", "nf4"), ("u8", "int8"), ("i8", "int8"),
     ("f16", "fp16"), ("bf16", "bf16"),
 )
-
-_SIZE_MAX = 2**64 - 1  # GenerationConfig's "no limit" for top_k
-
-#: OpenVINO device names: CPU, GPU, GPU.N, NPU, and the AUTO/HETERO/MULTI meta devices.
-_OV_DEVICE = re.compile(r"^(CPU|GPU|GPU\.\d+|NPU|(AUTO|HETERO|MULTI)(:[A-Z0-9.,]+)?)$")
-DEVICE_HELP = "CPU, GPU, GPU.N, NPU or AUTO"
-
-#: The NPU compiles static shapes: prompts up to MAX_PROMPT_LEN tokens, and a KV cache of
-#: MAX_PROMPT_LEN + MIN_RESPONSE_LEN (the engine's defaults, 1024 + 128, make longer
-#: prompts fail). NPUW rounds both up to multiples of 64, and a prompt length above its
-#: prefill chunk (1024) up to a multiple of the chunk (intel_npu llm_compiled_model.cpp).
-NPU_ALIGN = 64
-NPU_CHUNK = 1024
-#: The reply's share of the context on the NPU: a quarter, at most this many tokens.
-NPU_MAX_RESPONSE = 1024
-
-
-def ov_device(device: str | None) -> str:
-    """The OpenVINO device for a device string (``gpu:1`` and ``GPU.1`` alike)."""
-    if device is None:
-        return "CPU"
-    d = device.strip().upper()
-    if d.startswith("GPU:") and d[4:].isdigit():
-        d = "GPU." + d[4:]
-    if not _OV_DEVICE.match(d):
-        raise LocalrunError(f"Unknown device {device!r} for OpenVINO GenAI",
-                            hint=f"use one of: {DEVICE_HELP}")
-    return d
-
-
-def _down(n: int, step: int) -> int:
-    return n // step * step
-
-
-def _up(n: int, step: int) -> int:
-    return -(-n // step) * step
-
-
-def npu_lengths(context: int, options: dict[str, Any]) -> tuple[int, int]:
-    """(MAX_PROMPT_LEN, MIN_RESPONSE_LEN) that fill ``context`` exactly as NPUW builds it.
-
-    The reply keeps a quarter of the context (at most NPU_MAX_RESPONSE); the prompt gets
-    the rest, in whole prefill chunks above NPU_CHUNK so that NPUW does not round it up;
-    what rounding leaves goes back to the reply. Values given as engine options win
-    (NPUW's rounding still applies to them).
-    """
-    if "MAX_PROMPT_LEN" in options or "MIN_RESPONSE_LEN" in options:
-        prompt = int(options.get("MAX_PROMPT_LEN", 1024))
-        response = int(options.get("MIN_RESPONSE_LEN", 128))
-        prompt = _up(_up(prompt, NPU_ALIGN), NPU_CHUNK) if prompt > NPU_CHUNK \
-            else _up(prompt, NPU_ALIGN)
-        return prompt, _up(response, NPU_ALIGN)
-    response = max(NPU_ALIGN, _down(min(NPU_MAX_RESPONSE, context // 4), NPU_ALIGN))
-    rest = context - response
-    prompt = _down(rest, NPU_CHUNK) if rest > NPU_CHUNK else _down(rest, NPU_ALIGN)
-    if prompt < NPU_ALIGN:
-        raise LocalrunError(f"A context of {context} tokens is too small for the NPU",
-                            hint=f"load with context >= {2 * NPU_ALIGN}")
-    return prompt, _down(context - prompt, NPU_ALIGN)
-
 
 class OpenVINOSession(Session):
     #: True (set at load) with the batching pipeline (CPU, GPU): a sequence alone runs
@@ -194,10 +116,10 @@ class OpenVINOSession(Session):
         try:
             import openvino_genai as ov_genai
         except ImportError as e:  # installed per metadata but broken
-            raise not_installed("openvino", reason=str(e)) from e
+            raise missing(SPEC, reason=str(e)) from e
         self._og = ov_genai
         device = ov_device(request.device)
-        options = check_options("openvino", request.options)
+        options = check_options(SPEC, request.options)
         context = context_window(request.context, trained)
         props: dict[str, Any] = {}
         self.max_prompt: int | None = None  # the NPU's prompt limit
@@ -229,8 +151,6 @@ class OpenVINOSession(Session):
         self._pipe: Any
         try:
             if paged:
-                from localrun.backends.openvino.batcher import open_pipeline
-
                 # the CPU plugin refuses ATTENTION_BACKEND: it is LLMPipeline's
                 self._pipe = open_pipeline(str(path), device, {
                     k: v for k, v in props.items() if k != "ATTENTION_BACKEND"},
@@ -248,23 +168,21 @@ class OpenVINOSession(Session):
                                      "the model" if paged else None)) from e
         eos = eos_ids(gen_config, config) | set(engine_cfg.stop_token_ids)
         tok_eos = self._tok.get_eos_token_id()
-        if 0 <= tok_eos < _SIZE_MAX:
+        if 0 <= tok_eos < SIZE_MAX:
             eos.add(tok_eos)
-        if 0 <= engine_cfg.eos_token_id < _SIZE_MAX:
+        if 0 <= engine_cfg.eos_token_id < SIZE_MAX:
             eos.add(engine_cfg.eos_token_id)
         self._eos = frozenset(eos)
+        self._engine = Engine(ov_genai, self._pipe, self._eos, self._tok.decode)
         if paged:
-            from localrun.backends.openvino import batcher as openvino_batch
-
-            self._batcher = openvino_batch.ContinuousBatcher(
-                self._pipe, eos=self._eos, decode_many=self._tok.decode, config=self._config)
+            self._batcher = openvino_batch.ContinuousBatcher(self._engine)
             self.batch_alone = True
-            self.features = openvino_features(engine_version("openvino"))  # logprobs.py
+            self.features = openvino_features(installed_version(SPEC))  # logprobs.py
         self.chat_template = getattr(self._tok, "chat_template", None) or None
         self.bos_token, self.eos_token = self._tok.get_bos_token(), self._tok.get_eos_token()
         self.info = ModelInfo(
             backend="openvino",
-            engine_version=engine_version("openvino") or "unknown",
+            engine_version=installed_version(SPEC) or "unknown",
             format="gguf" if gguf else "openvino",
             quantization=quant,
             path=str(path),
@@ -303,37 +221,8 @@ class OpenVINOSession(Session):
 
     # -- generation -------------------------------------------------------------------
 
-    def _config(self, sampling: ResolvedSampling) -> Any:
-        cfg = self._og.GenerationConfig()
-        cfg.max_new_tokens = sampling.max_tokens
-        cfg.min_new_tokens = 0
-        cfg.ignore_eos = False
-        cfg.stop_token_ids = set(self._eos)
-        cfg.num_beams = 1
-        cfg.num_return_sequences = 1
-        cfg.repetition_penalty = sampling.repetition_penalty
-        cfg.presence_penalty = 0.0
-        cfg.frequency_penalty = 0.0
-        cfg.do_sample = not sampling.greedy
-        if not sampling.greedy:
-            cfg.temperature = sampling.temperature
-            cfg.top_p = sampling.top_p
-            cfg.top_k = sampling.top_k or _SIZE_MAX
-            cfg.min_p = sampling.min_p
-            cfg.rng_seed = sampling.seed
-        if sampling.constraint is not None:
-            so = openvino_structured_config(self._og, sampling.constraint)
-            if so is not None:
-                cfg.structured_output_config = so
-        return cfg
-
-    def generate(
-        self,
-        prompt: Prompt,
-        sampling: ResolvedSampling,
-        cancel: CancelToken,
-        stats: GenerationStats,
-    ) -> Iterator[str]:
+    def generate(self, prompt: Prompt, sampling: ResolvedSampling, cancel: CancelToken,
+                 stats: GenerationStats) -> Iterator[str]:
         if self._batcher is not None:
             return self._generate_batched(self._batcher, prompt, sampling, cancel, stats)
         return self._generate_llm(prompt, sampling, cancel, stats)
@@ -372,15 +261,13 @@ class OpenVINOSession(Session):
         import openvino
 
         og = self._og
-        cfg = self._config(sampling)
+        cfg = self._engine.config(sampling)
         ids = openvino.Tensor(np.asarray([list(prompt.tokens)], dtype=np.int64))
         relay: Relay[Any] = Relay()
         eos = self._eos
         # Detokenize on the engine's thread, between tokens: the CPU plugin's results
         # depend on what else runs in the process, so decoding concurrently with
         # inference made seeded samples differ from run to run.
-        from localrun.backends.openvino.batcher import Detokenizer, TextWindow
-
         detok, window = Detokenizer(self._tok.decode), TextWindow()
         running, stop, cancelled = (og.StreamingStatus.RUNNING, og.StreamingStatus.STOP,
                                     og.StreamingStatus.CANCEL)
@@ -407,9 +294,10 @@ class OpenVINOSession(Session):
             try:
                 return self._pipe.generate(ids, cfg, streamer)
             except Exception as e:
-                if sampling.constraint is not None and is_openvino_grammar_error(e):
-                    raise openvino_schema_error(sampling.constraint, e) from e
-                raise
+                mapped = mapped_error(e, sampling.constraint)
+                if mapped is e:
+                    raise
+                raise mapped from e
 
         relay.start(work, name="localrun-openvino")
         try:
@@ -429,35 +317,6 @@ class OpenVINOSession(Session):
             self._batcher = None
         self._pipe = None
         self._tok = None
-
-
-def cpu_kv_precision(props: dict[str, Any], paged: bool) -> str:
-    """The KV cache's element type on the CPU.
-
-    Not the plugin's default, u8: it quantizes with scales that depend on memory left
-    over from earlier requests, so the same seed gave a different sample on a Model's
-    first request than on later ones (2026.4), and greedy replies changed from the first
-    token. LLMPipeline (SDPA) keeps f32. Paged attention takes only the compute
-    precision or a quantized type ("expect kvcache type bf16" where the CPU computes in
-    bf16: AVX-512 BF16, AMX), so it gets the compute precision, which keeps keys and
-    values as computed.
-    """
-    from localrun.backends.openvino.batcher import cpu_precision
-
-    given = props.get("KV_CACHE_PRECISION")
-    if not paged:
-        return str(given or "f32")
-    compute = cpu_precision(props.get("INFERENCE_PRECISION_HINT"))
-    if given is None:
-        return compute
-    if str(given).lower() == "f32" and compute != "f32":
-        raise LocalrunError(
-            f"KV_CACHE_PRECISION='f32' needs f32 compute, not {compute}: paged attention "
-            f"keeps its cache in the compute precision or quantized",
-            hint=f"leave INFERENCE_PRECISION_HINT out (localrun computes in f32), use "
-                 f"KV_CACHE_PRECISION='{compute}', or load with ATTENTION_BACKEND='SDPA' "
-                 f"(one sequence at a time, no KV reuse)")
-    return str(given)
 
 
 def _fill_stats(stats: GenerationStats, pm: Any) -> None:
@@ -485,11 +344,4 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
-class OpenVINOBackend:
-    name = "openvino"
-
-    def load(self, request: LoadRequest) -> Session:
-        return OpenVINOSession(request)
-
-
-BACKEND = OpenVINOBackend()
+BACKEND = SessionBackend("openvino", OpenVINOSession)

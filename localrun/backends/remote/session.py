@@ -40,8 +40,10 @@ from localrun.backends.base import (
     LoadRequest,
     Prompt,
     Session,
-    check_options,
+    SessionBackend,
 )
+from localrun.backends.options import check_options
+from localrun.backends.remote.facts import SPEC
 from localrun.backends.remote.streams import ClosingCancel, RequestBatcher
 from localrun.backends.remote.tools import (
     ENVELOPE_TEMPLATE,
@@ -309,7 +311,7 @@ def request_body(model: str, prompt: RemotePrompt, s: ResolvedSampling) -> dict[
 class RemoteSession(Session):
     def __init__(self, request: LoadRequest, *, client: OpenAIClient | None = None,
                  backend: str = "remote") -> None:
-        opts = check_options(backend, request.options) if client is None else {}
+        opts = check_options(SPEC, request.options) if client is None else {}
         if client is None:
             base_url = opts.get("base_url")
             if not base_url:
@@ -447,11 +449,4 @@ class RemoteSession(Session):
         self._client.close()
 
 
-class RemoteBackend:
-    name = "remote"
-
-    def load(self, request: LoadRequest) -> Session:
-        return RemoteSession(request)
-
-
-BACKEND = RemoteBackend()
+BACKEND = SessionBackend("remote", RemoteSession)

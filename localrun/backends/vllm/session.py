@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import contextvars
 import logging
 import os
 import shlex
@@ -32,17 +31,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx2
 
-from localrun.backends import not_installed
-from localrun.backends.base import LoadRequest, Session, check_options
+from localrun.backends.base import LoadRequest, SessionBackend
+from localrun.backends.installed import missing
+from localrun.backends.options import check_options
 from localrun.backends.remote.session import OpenAIClient, RemoteSession
 from localrun.backends.vllm.env import INSTALL_HINT, VllmEnv, find_vllm
+from localrun.backends.vllm.facts import SPEC
+from localrun.backends.vllm.startup import Startup, StartupCallback, listener
 from localrun.errors import (
     ConstrainedDecodingUnavailableError,
     VllmStartError,
@@ -90,32 +91,6 @@ while ended.is_set():  # end() is stopping the rest of the group: it SIGKILLs us
 sys.stdout.flush()
 os._exit(rc if rc >= 0 else 128 - rc)  # no interpreter teardown under a blocked reader
 """
-
-
-@dataclass(frozen=True)
-class Startup:
-    """One progress report while vLLM starts: seconds so far and its last log line."""
-
-    seconds: float
-    line: str
-
-
-StartupCallback = Callable[[Startup], None]
-
-_listener: contextvars.ContextVar[StartupCallback | None] = contextvars.ContextVar(
-    "localrun_vllm_startup", default=None)
-
-
-@contextlib.contextmanager
-def startup_progress(callback: StartupCallback) -> Iterator[None]:
-    """Send the startup progress of every vLLM loaded in this block (on this thread or
-    task) to ``callback``: ``localrun.load`` has no parameter for it, as only vLLM
-    takes a minute to come up. Without one, progress goes to the ``localrun.vllm`` log."""
-    token = _listener.set(callback)
-    try:
-        yield
-    finally:
-        _listener.reset(token)
 
 
 def free_port() -> int:
@@ -288,15 +263,13 @@ def startup_progress_log(p: Startup) -> None:
 class VllmSession(RemoteSession):
     def __init__(self, request: LoadRequest, *, progress: StartupCallback | None = None
                  ) -> None:
-        opts = check_options("vllm", request.options)
+        opts = check_options(SPEC, request.options)
         env = find_vllm(opts.pop("vllm_python", None))
         if env is None:
-            err = not_installed(
-                "vllm",
-                reason="no vLLM found: no --vllm-python, no LOCALRUN_VLLM_PYTHON, no `vllm` "
-                "on PATH")
-            err.hint = INSTALL_HINT + "; for tests on a CPU: python scripts/make_vllm_env.py"
-            raise err
+            raise missing(
+                SPEC, reason="no vLLM found: no --vllm-python, no LOCALRUN_VLLM_PYTHON, no "
+                "`vllm` on PATH",
+                hint=INSTALL_HINT + "; for tests on a CPU: python scripts/make_vllm_env.py")
         self.env: VllmEnv = env
         port = int(opts.pop("port", 0)) or free_port()
         timeout = float(opts.pop("startup_timeout", STARTUP_TIMEOUT))
@@ -316,7 +289,7 @@ class VllmSession(RemoteSession):
         args += flags
         #: whether tool_choice="auto" can work (the model's template shows it the tools)
         self.auto_tools = auto_tools
-        report = progress or _listener.get() or startup_progress_log
+        report = progress or listener() or startup_progress_log
         self.process = VllmProcess(env.command, args, port, env=child_env)
         try:
             self.process.wait_healthy(timeout, report)
@@ -348,11 +321,4 @@ class VllmSession(RemoteSession):
             self.process.stop()
 
 
-class VllmBackend:
-    name = "vllm"
-
-    def load(self, request: LoadRequest) -> Session:
-        return VllmSession(request)
-
-
-BACKEND = VllmBackend()
+BACKEND = SessionBackend("vllm", VllmSession)
