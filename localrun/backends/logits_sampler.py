@@ -26,12 +26,10 @@ A draw walks the kept tokens best first (top_k, top_p; by id among equals), or b
 (min_p alone, no filter), and takes the first whose running weight passes one uniform
 number times the kept tokens' total: one ``rng.random()`` per token.
 
-Cost per token on a 2-core x86 CPU, 49152-token vocabulary, SmolLM2's logits: warm, 42 µs
-with top_k 40 and top_p 0.9, 113 µs with top_p 0.9 alone, 54 µs at a temperature alone;
-inside the decode loop, where the model's step has evicted the caches, each numpy call costs
-10-40 µs more: 0.1-0.2 ms, 2-4% of SmolLM2-135M's step (the engine's own top_k sampler costs
-~1.5%; at top_p alone or a temperature alone it sorts the vocabulary and costs more). Timings:
-docs/results/kv_reuse.md, "Decode overhead" (scripts/bench_onnx_steps.py).
+Only the kept tokens are ever sorted (top_k and top_p find their pool in one pass over the
+vocabulary), so a token costs a small share of a small model's step, where the engine's own
+sampler sorts the whole vocabulary at top_p alone. Timings: docs/results/kv_reuse.md,
+"Decode overhead" (scripts/bench_onnx_steps.py).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ the sampler drew, so at a temperature or under a mask it need not be the most li
 
 **Cost.** Per token: a max, an exp and a sum over the vocabulary (float32, summed in
 float64) and, with ``top_logprobs``, the k best found by :func:`~localrun.backends.
-logits_sampler._top_k` (one strided pass, only a small pool sorted): about 0.1-0.3 ms
-for a 49k vocabulary on a 2-core CPU. Nothing runs when logprobs are not asked for.
+logits_sampler._top_k` (one strided pass, only a small pool sorted): a fraction of a
+millisecond per token (scripts/bench_logprobs.py). Nothing runs when logprobs are not
+asked for.
 
 **Exactness.** A token's logprob and its place among the top ones come from the same
 float32 logit minus the same float64 normaliser, so the chosen token's value equals the

@@ -7,12 +7,12 @@ a pool: the caller's thread of a lone call (``Session.generate``), the thread th
 the batcher (its calibration decodes), the driver's engine thread. Once the pools'
 threads outnumber the CPUs, libgomp stops spinning at its barriers in every pool
 (``gomp_throttled_spin_count_var``: about 100 spins, then a futex sleep), and a decode
-step crosses hundreds of barriers: on 2 cores, 4 SmolLM2 sequences decoded together from
-the engine thread ran at 122 tokens/s beside the main thread's idle pool and at 188
-without it (docs/results/llama_batch.md). A thread that is done with llama.cpp for now
-therefore gives its pool back (``omp_pause_resource_all(omp_pause_soft)``: libgomp joins
-and frees the calling thread's pool); the next region on that thread starts a new one
-(a thread per worker, well under a millisecond). The engine thread keeps its own between
+step crosses hundreds of barriers: a batch decoded on the engine thread ran much slower
+beside another thread's idle pool (docs/results/llama_batch.md, "Latest"). A thread
+that is done with llama.cpp for now therefore gives its pool back
+(``omp_pause_resource_all(omp_pause_soft)``: libgomp joins and frees the calling
+thread's pool); the next region on that thread starts a new one (a thread per worker,
+well under a millisecond). The engine thread keeps its own between
 steps and gives it back as it starts waiting for more (``Batcher.idle``).
 
 Other OpenMP runtimes (LLVM's libomp, MSVC's vcomp) and builds without OpenMP (Metal,

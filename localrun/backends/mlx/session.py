@@ -345,8 +345,8 @@ class MLXSession(Session):
     # -- batching (.batcher) ---------------------------------------------------------------
 
     #: One sequence through generate_step costs a little less than through the
-    #: BatchGenerator (its per-step bookkeeping, a thread hand-off per token): measured
-    #: +2% CPU, +6% wall per decoded token here (docs/results/kv_reuse.md)
+    #: BatchGenerator (its per-step bookkeeping, a thread hand-off per token:
+    #: docs/results/kv_reuse.md)
     batch_alone = False
 
     def batcher(self) -> Batcher | None:

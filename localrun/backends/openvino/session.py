@@ -142,9 +142,8 @@ class OpenVINOSession(Session):
             # AMX) a prompt's reply depended on where its keys and values came from:
             # the same seed sampled differently on a prompt's first call than on later
             # ones (its prefix then from the cache), and greedy replies changed with
-            # reuse and with batching. In f32 they are the same token for token; on an
-            # AVX-512 BF16 CPU it costs prefill 0.6x and batch throughput 0.8x, decoding
-            # one sequence not at all (docs/results/kv_reuse.md).
+            # reuse and with batching. In f32 they are the same token for token, at some
+            # prefill and batch throughput on such a CPU (docs/results/kv_reuse.md).
             props.setdefault("INFERENCE_PRECISION_HINT", "f32")
             props["KV_CACHE_PRECISION"] = cpu_kv_precision(props, paged)
         self.load_properties = dict(props)
