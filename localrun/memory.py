@@ -382,6 +382,17 @@ def local_shape(path: Path) -> tuple[ModelShape | None, str | None]:
     return None, None
 
 
+def local_estimate(path: Path, context: int | None, *, backend: str | None = None,
+                   device: str | None = None) -> MemoryEstimate:
+    """A model on disk at ``context`` (None: the default context rule) on ``backend`` (on
+    ``device``): its weights' bytes (:func:`local_weights_bytes`), its shape
+    (:func:`local_shape`), the context it loads with (:func:`context_window`): the one
+    way from a model's path to its estimate."""
+    shape, _ = local_shape(path)
+    ctx = context_window(context, shape.trained_context if shape else None)
+    return estimate(local_weights_bytes(path), shape, ctx, backend=backend, device=device)
+
+
 def weights_at(parameters: float, bits_per_weight: float) -> int:
     """Bytes of ``parameters`` weights quantized to ``bits_per_weight``."""
     return int(parameters * bits_per_weight / 8)

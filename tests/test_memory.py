@@ -182,3 +182,29 @@ def test_an_openvino_ir_without_config_json_has_its_kv_shape_in_its_state() -> N
              '<data variable_id="conv.0" variable_shape="?,1024,4" />')
     assert memory.shape_from_openvino_ir(state) == ModelShape(1, 2, 128)
     assert memory.shape_from_openvino_ir("<net><layers/></net>") is None
+
+
+def test_a_local_model_is_estimated_from_its_own_files(tmp_path: Path) -> None:
+    """memory.local_estimate: a model on disk, from its path alone: the weights' bytes,
+    the shape its files give, the default context rule, the engine's own memory row."""
+    import json
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+         "hidden_size": 576, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}))
+    (folder / "model.safetensors").write_bytes(b"\0" * 4096)
+    (folder / "notes.txt").write_text("not a weight")
+    est = memory.local_estimate(folder, None, backend="mlx", device="cpu")
+    assert est.weights_bytes == 4096 and est.context == 8192
+    assert est.kv_cache_bytes == memory.kv_cache_bytes(SMOLLM2, 8192, 2)  # bf16, MLX's row
+    assert est.overhead_bytes == memory.overhead_bytes(
+        4096, memory.engine_memory("mlx", "cpu").overhead_fixed)
+    est = memory.local_estimate(folder, 2048, backend="openvino", device="CPU")
+    assert est.context == 2048 and est.kv_cache_bytes == memory.kv_cache_bytes(SMOLLM2, 2048, 4)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "model.safetensors").write_bytes(b"\0" * 10)
+    est = memory.local_estimate(bare, None)
+    assert not est.kv_known and est.context == memory.DEFAULT_CONTEXT_CAP
