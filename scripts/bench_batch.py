@@ -42,7 +42,7 @@ def prompts(n: int) -> list[str]:
 def model_path(backend: str) -> str | None:
     fmt = NATIVE[backend]
     if fmt is None:
-        from localrun.stores import default_model_path
+        from localrun.naming.stores import default_model_path
 
         return str(default_model_path())
     from tests.models import read_manifest

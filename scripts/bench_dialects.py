@@ -236,7 +236,7 @@ def main() -> int:
               f"{c['piece_us']:5.1f} us per streamed piece", flush=True)
     if args.layer:
         return 0
-    from localrun.stores import default_model_path
+    from localrun.naming.stores import default_model_path
 
     path = str(default_model_path())
     load = os.getloadavg()[0]

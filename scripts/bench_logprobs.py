@@ -52,7 +52,7 @@ MODES: dict[str, dict[str, Any]] = {"off": {}, "logprobs": {"logprobs": True},
 
 def fixture(backend: str) -> str | None:
     if backend == "llama.cpp":
-        from localrun.stores import default_model_path
+        from localrun.naming.stores import default_model_path
 
         try:
             return str(default_model_path())

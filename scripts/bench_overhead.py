@@ -221,7 +221,7 @@ def via_localrun(model: Any, sampling: dict[str, Any]) -> Callable[[str, int], T
 
 def model_path(backend: str) -> str | None:
     if backend == "llama.cpp":
-        from localrun.stores import default_model_path
+        from localrun.naming.stores import default_model_path
 
         return str(default_model_path())
     try:

@@ -206,7 +206,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from localrun.backends import is_installed
-    from localrun.stores import default_model_path
+    from localrun.naming.stores import default_model_path
     from tests.models import read_manifest
 
     manifest = (read_manifest() or {}).get("models", {})

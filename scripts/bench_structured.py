@@ -58,7 +58,7 @@ def wide_schema(n: int = 30, salt: str = "") -> dict[str, Any]:
 
 def fixture(backend: str) -> str | None:
     if backend == "llama.cpp":
-        from localrun.stores import default_model_path
+        from localrun.naming.stores import default_model_path
 
         try:
             return str(default_model_path())

@@ -28,8 +28,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from localrun import catalog
-from localrun.catalog import CatalogEntry, Variant
+from localrun.naming import catalog
+from localrun.naming.catalog import CatalogEntry, Variant
 
 
 @dataclass(frozen=True)

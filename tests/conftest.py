@@ -29,7 +29,7 @@ def localrun_cmd() -> list[str]:
 
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
-    from localrun.stores import default_model_path
+    from localrun.naming.stores import default_model_path
 
     try:
         return default_model_path()

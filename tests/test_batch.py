@@ -340,7 +340,7 @@ def test_batched_path_cancel_midway(batching_model: Any) -> None:
 def test_batch_resolves_sampling_like_chat(batching_model: Any) -> None:
     """The embedded SmolLM2 samples with the same defaults in a batch as in chat: its
     catalog defaults (temperature 0.2, top_p 0.9) under any default of the session."""
-    from localrun.stores import DEFAULT_MODEL_SAMPLING
+    from localrun.naming.stores import DEFAULT_MODEL_SAMPLING
 
     session = batching_model._session
     batching_model.chat("Hi", max_tokens=1)

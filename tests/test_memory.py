@@ -132,7 +132,7 @@ def test_intel_host_plans_openvino_with_its_f32_kv_cache(monkeypatch: pytest.Mon
     """Auto mode on an Intel CPU host picks OpenVINO; its plan counts the f32 KV cache
     OpenVINO will allocate there (Qwen2.5-0.5B: 2 x 24 layers x 2 KV heads x 64 x 4 B)."""
     from localrun.hardware import HardwareProfile
-    from localrun.planning import plan
+    from localrun.planning.plan import plan
     from tests.hubserver import BASE, start
 
     profile = HardwareProfile.load(Path(__file__).parent / "profiles" / "xeon-cpu.json")

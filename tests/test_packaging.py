@@ -84,7 +84,7 @@ def allowed_names() -> dict[str, str]:
     for spec in BACKENDS.values():
         for dist in (*spec.dists, *(b.dist for b in spec.builds)):
             out.setdefault(normalize(dist), f"engine table: {spec.name}")
-    from localrun.stores import DEFAULT_MODEL
+    from localrun.naming.stores import DEFAULT_MODEL
 
     out.setdefault(normalize(DEFAULT_MODEL.dist), "the embedded model's wheel (stores.py)")
     for name, why in ELSEWHERE.items():
@@ -346,7 +346,7 @@ def test_wheel_and_sdist_install_and_run_in_a_fresh_venv(tmp_path: Path) -> None
 
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    assert {"pyproject.toml", "README.md", "localrun/catalog.json", "localrun/py.typed",
+    assert {"pyproject.toml", "README.md", "localrun/naming/catalog.json", "localrun/py.typed",
             "localrun/cli/__init__.py"} <= names
     with zipfile.ZipFile(wheel) as z:
         meta = z.read(f"localrun_llm-{version}.dist-info/METADATA").decode()
@@ -354,7 +354,7 @@ def test_wheel_and_sdist_install_and_run_in_a_fresh_venv(tmp_path: Path) -> None
         in_wheel = set(z.namelist())
     tracked = run("git", "ls-files", "localrun", cwd=ROOT).stdout.split()
     missing = [f for f in tracked if f not in in_wheel]  # code and data files alike
-    assert not missing and "localrun/catalog.json" in in_wheel, missing
+    assert not missing and "localrun/naming/catalog.json" in in_wheel, missing
     assert "Name: localrun-llm\n" in meta and f"Version: {version}\n" in meta
     assert "Provides-Extra: llama-cpp" in meta and "Provides-Extra: serve" in meta
     requires = _requirement_names([line.split(":", 1)[1] for line in meta.splitlines()

@@ -24,7 +24,7 @@ from localrun.errors import InvalidToolError
 from localrun.structured.constraint import Constraint
 from localrun.structured.formats import FALLBACK, FORMATS, call_schema, tool_constraint
 from localrun.structured.functions import normalize_tools
-from localrun.structured.output import OutputProcessor, plan_chat, prepare
+from localrun.structured.output import OutputProcessor, prepare, prepare_chat
 from tests.models import test_model
 from tests.test_conformance import _skip_unless_installed
 
@@ -133,7 +133,7 @@ def test_grammars_allow_one_call_or_several(compiler: Any) -> None:
 def _process(text: str, parallel: bool | None, pieces: int = 7
              ) -> tuple[OutputProcessor, list[Any], bool]:
     request = prepare(tools=[TOOL], parallel_tool_calls=parallel)
-    plan = plan_chat(request, [{"role": "user", "content": "?"}], None)
+    plan = prepare_chat(request, [{"role": "user", "content": "?"}], None)
     processor = OutputProcessor(plan)
     deltas: list[Any] = []
     halted_early = False
@@ -153,7 +153,7 @@ TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"
 
 
 def test_the_parse_path_keeps_only_the_first_call() -> None:
-    assert plan_chat(prepare(tools=[TOOL]), [{"role": "user", "content": "?"}],
+    assert prepare_chat(prepare(tools=[TOOL]), [{"role": "user", "content": "?"}],
                      None).fmt == FALLBACK
     processor, deltas, halted = _process(TWO_CALLS, parallel=False)
     result = processor.result("stop")
@@ -168,7 +168,7 @@ def test_the_parse_path_keeps_only_the_first_call() -> None:
 def test_marker_less_calls_parsed_whole_keep_the_first() -> None:
     """Llama 3's JSON calls have no marker: parsed once the reply is complete."""
     request = prepare(tools=[TOOL], parallel_tool_calls=False)
-    plan = plan_chat(request, [{"role": "user", "content": "?"}], None)
+    plan = prepare_chat(request, [{"role": "user", "content": "?"}], None)
     plan = type(plan)(plan.messages, plan.template_tools, plan.render_here, plan.prefill,
                       None, FORMATS["llama3_json"], request)
     processor = OutputProcessor(plan)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from localrun.hardware import HardwareProfile
-from localrun.hosts import VLLM_GPU_SHARE, VLLM_HEADROOM
+from localrun.planning.hosts import VLLM_GPU_SHARE, VLLM_HEADROOM
 from tests.hubserver import (
     MIXTRAL,
     MIXTRAL_BYTES,

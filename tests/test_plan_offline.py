@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from localrun import pulls
 from localrun.hardware import HardwareProfile
 from localrun.hardware.profile import PROFILES, profile_names
+from localrun.hub import pulls
 from tests.conftest import localrun_cmd
 from tests.hubserver import BASE, SMOLLM2, HubFixture, add_smollm2, start
 
@@ -126,7 +126,7 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[HubFixture
 def test_a_model_pulled_for_this_machine_sizes_the_plan_for_a_mac(
         fake: HubFixture, default_gguf: Path) -> None:
     from localrun import hub
-    from localrun.planning import plan
+    from localrun.planning.plan import plan
 
     add_smollm2(fake.hub, default_gguf)
     hub.fetch(hub.plan_fetch(SMOLLM2, backend="llama.cpp"))
@@ -147,7 +147,7 @@ def test_a_pulled_gguf_without_tensors_still_gives_the_shape(fake: HubFixture) -
     """The stand-in Hub's GGUFs are headers only: the count comes from the name
     (Qwen2.5-0.5B), the KV cache from the pulled header (24 layers, 2 KV heads of 64)."""
     from localrun import hub
-    from localrun.planning import plan
+    from localrun.planning.plan import plan
 
     hub.fetch(hub.plan_fetch(BASE, backend="llama.cpp"))
     fake.offline()

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from localrun import presetfile, presets
+from localrun.naming import presetfile, presets
 from tests.conftest import localrun_cmd, requires_llama
 
 SYSTEM = ("You are Captain Hook, a pirate who answers every question in exactly one "

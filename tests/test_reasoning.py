@@ -398,7 +398,7 @@ def test_an_earlier_turns_thinking_goes_back_to_the_template() -> None:
 
 
 def test_the_catalog_names_the_format_where_the_template_may_not() -> None:
-    from localrun.catalog import entries
+    from localrun.naming.catalog import entries
 
     named = {alias: e.reasoning for alias, e in entries().items() if e.reasoning}
     assert set(named.values()) <= set(FORMATS)

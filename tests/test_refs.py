@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from localrun import catalog
 from localrun.errors import UnknownModelError
-from localrun.refs import parse_ref
+from localrun.naming import catalog
+from localrun.naming.refs import parse_ref
 
 
 @pytest.mark.parametrize(("text", "kind", "repo", "quant", "revision"), [

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from localrun.repetition import (
+from localrun.structured.repetition import (
     MAX_PERIOD,
     MIN_CHARS,
     MIN_REPEATS,

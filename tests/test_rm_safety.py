@@ -21,8 +21,9 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 
-from localrun import hub, pulls
+from localrun import hub
 from localrun.errors import LocalrunError
+from localrun.hub import pulls
 from tests.hubserver import BASE, FakeFile, FakeRepo, HubFixture, gguf_bytes, start
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 import localrun
-from localrun import catalog, identity, stores
 from localrun.formats.detect import detect
+from localrun.naming import catalog, identity, stores
 from tests.hubserver import gguf_bytes
 from tests.models import test_model
 from tests.test_conformance import CASES, IDS, _skip_unless_installed

@@ -10,7 +10,7 @@ from localrun.backends import BACKENDS
 from localrun.errors import FormatMismatchError, NoSuitableEngineError
 from localrun.hardware import HardwareProfile
 from localrun.install import pip_install
-from localrun.selection import Plan, PlanRequest, select
+from localrun.planning.selection import Plan, PlanRequest, select
 
 PROFILES = Path(__file__).parent / "profiles"
 ALL = {name: "1.0" for name in BACKENDS}

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from localrun import presets
+from localrun.naming import presets
 from tests.conftest import localrun_cmd, requires_llama
 
 serverutil = pytest.importorskip("tests.serverutil", reason="the serve extra is not "
@@ -440,7 +440,8 @@ def _tree(root: Path) -> dict[str, int]:
 def test_delete_of_a_pulled_model_follows_rms_rules(fake: Any) -> None:
     import huggingface_hub
 
-    from localrun import hub, pulls
+    from localrun import hub
+    from localrun.hub import pulls
     from tests.hubserver import BASE as HF_BASE
 
     alias = "qwen2.5:0.5b"

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from localrun.stopping import StopMatcher
+from localrun.driver.stopping import StopMatcher
 
 
 def run(pieces: list[str], stops: list[str]) -> tuple[str, bool]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from localrun import stores
+from localrun.naming import stores
 from tests.conftest import requires_llama
 from tests.hubserver import gguf_bytes
 

@@ -38,7 +38,7 @@ from localrun.structured.functions import (
     normalize_tools,
     parse_docstring,
 )
-from localrun.structured.output import OutputProcessor, plan_chat, prepare
+from localrun.structured.output import OutputProcessor, prepare, prepare_chat
 from localrun.structured.parsers import ToolCallParser, parse_tool_calls
 from localrun.structured.schema import closed_objects, output_spec
 from localrun.templates import normalize_messages, render_chat
@@ -325,22 +325,22 @@ def test_messages_are_checked() -> None:
 def test_plan_for_each_tool_choice() -> None:
     template = TEMPLATES["qwen2.5"]["chat_template"]
     msgs = normalize_messages("Weather in Oslo?")
-    auto = plan_chat(prepare(tools=[get_weather]), msgs, template)
+    auto = prepare_chat(prepare(tools=[get_weather]), msgs, template)
     assert auto.render_here and auto.template_tools and auto.prefill == ""
     assert auto.constraint is not None and auto.constraint.tag == ToolTag(
         "<tool_call>", "\n", "\n</tool_call>")
-    forced = plan_chat(prepare(tools=[get_weather], tool_choice="required"), msgs, template)
+    forced = prepare_chat(prepare(tools=[get_weather], tool_choice="required"), msgs, template)
     assert forced.prefill == "<tool_call>\n" and forced.constraint is not None
     assert forced.constraint.tag is None
     assert forced.constraint.schema_dict["properties"]["name"] == {"const": "get_weather"}
-    none = plan_chat(prepare(tools=[get_weather], tool_choice="none"), msgs, template)
+    none = prepare_chat(prepare(tools=[get_weather], tool_choice="none"), msgs, template)
     assert none.constraint is None and none.template_tools is None and none.fmt is None
-    fallback = plan_chat(prepare(tools=[get_weather], tool_choice="get_weather"), msgs, None)
+    fallback = prepare_chat(prepare(tools=[get_weather], tool_choice="get_weather"), msgs, None)
     assert not fallback.render_here and fallback.prefill == "<tool_call>\n"
     assert fallback.messages[0]["role"] == "system"
-    llama = plan_chat(prepare(tools=[get_weather]), msgs, TEMPLATES["llama3.1"]["chat_template"])
+    llama = prepare_chat(prepare(tools=[get_weather]), msgs, TEMPLATES["llama3.1"]["chat_template"])
     assert llama.constraint is None  # no marker: "auto" is parsed, not constrained
-    schema = plan_chat(prepare(schema={"type": "object"}), msgs, template)
+    schema = prepare_chat(prepare(schema={"type": "object"}), msgs, template)
     assert schema.constraint == Constraint.json({"type": "object"}, "JSON Schema 'schema'")
 
 
@@ -481,7 +481,7 @@ def test_delta_and_call_dicts_are_openai_shaped() -> None:
 
 def test_output_processor_results() -> None:
     msgs = normalize_messages("hi")
-    plan = plan_chat(prepare(schema={"type": "object", "properties": {"a": {}}}), msgs, None)
+    plan = prepare_chat(prepare(schema={"type": "object", "properties": {"a": {}}}), msgs, None)
     p = OutputProcessor(plan)
     p.feed('{"a": 1}')
     p.finish()
@@ -492,7 +492,7 @@ def test_output_processor_results() -> None:
     cut = p.result("length")
     assert cut.parsed is None and cut.error is not None and cut.error.reason == "length"
     assert p.result("cancelled").error is None
-    forced = plan_chat(prepare(tools=[get_weather], tool_choice="required"), msgs, None)
+    forced = prepare_chat(prepare(tools=[get_weather], tool_choice="required"), msgs, None)
     p = OutputProcessor(forced)
     content, deltas = p.feed('{"name": "get_weather", "arguments": {"city": "Oslo"}}')
     assert content == "" and deltas[0].name == "get_weather"

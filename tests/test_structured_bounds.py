@@ -29,7 +29,7 @@ from localrun.structured.bounds import (
     bounded_schema,
 )
 from localrun.structured.constraint import Constraint, ToolTag
-from localrun.structured.output import OutputProcessor, plan_chat, prepare
+from localrun.structured.output import OutputProcessor, prepare, prepare_chat
 from localrun.structured.watch import (
     MAX_BLANKS,
     MAX_NUMBER_CHARS,
@@ -227,7 +227,7 @@ def test_number_and_blank_runs_are_caught() -> None:
 
 def test_the_output_layer_ends_a_loop_with_a_typed_error() -> None:
     req = prepare(schema={"type": "object", "properties": {"text": {"type": "string"}}})
-    p = OutputProcessor(plan_chat(req, [{"role": "user", "content": "x"}], None))
+    p = OutputProcessor(prepare_chat(req, [{"role": "user", "content": "x"}], None))
     for piece in _pieces('{"text": "' + "58,23" * 40):
         p.feed(piece)
         if p.runaway is not None:
@@ -248,7 +248,7 @@ def test_a_looping_tool_argument_is_caught() -> None:
                                       "properties": {"text": {"type": "string"}}}}}],
                   tool_choice="required")
     template = '{% for m in messages %}{{ m.content }}{% endfor %}'
-    p = OutputProcessor(plan_chat(req, [{"role": "user", "content": "x"}], template))
+    p = OutputProcessor(prepare_chat(req, [{"role": "user", "content": "x"}], template))
     for piece in _pieces('{"name": "say", "arguments": {"text": "' + "na " * 80):
         p.feed(piece)
         if p.runaway is not None:

@@ -7,7 +7,7 @@ Each engine is one folder, ``backends/<engine>/``: its facts (``facts.py``, pure
 the table row, the formats it runs and on what conditions, what it allocates, its
 options), its session, and whatever else only it uses. Adding one means its folder, its
 name in ``spec.BackendName`` and in :data:`ENGINES` below, and its host rules in
-:mod:`localrun.selection`.
+:mod:`localrun.planning.selection`.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
 def locate(reference: str) -> DetectedModel:
     """A model reference (alias, file or folder) -> its detected format, no engine."""
     from localrun.formats.detect import detect
-    from localrun.refs import local_path
+    from localrun.naming.refs import local_path
     from localrun.resolve import resolve_local
 
     path = local_path(reference)

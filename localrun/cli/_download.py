@@ -51,7 +51,7 @@ class DownloadBar:
 
 
 def print_plan(console: Any, plan: Any) -> None:
-    """A hub.FetchPlan: what the name resolved to, each file, the download and the fit."""
+    """A hub.Download: what the name resolved to, each file, the download and the fit."""
     from rich.markup import escape as e
 
     from localrun import hub

@@ -80,7 +80,7 @@ def _stats(last: tuple[Any, str | None] | None) -> str:
 def _header(m: Any, name: str | None) -> str:
     """The model as the user named it (the embedded one by its alias, not the file's own
     general.name), then the engine, format and context."""
-    from localrun.stores import DEFAULT_MODEL_ALIAS
+    from localrun.naming.stores import DEFAULT_MODEL_ALIAS
 
     i = m.info
     quant = f" {i.quantization}" if i.quantization else ""
@@ -143,13 +143,13 @@ def _ctrl_c_cancels(stream: Any, reply: _Reply) -> Iterator[None]:
 
 def _print_reply(stream: Any, reply: _Reply) -> None:
     """Stream a reply to stdout; cancel it once it is stuck repeating a phrase or a
-    sentence (:func:`localrun.repetition.find_cycle`).
+    sentence (:func:`localrun.structured.repetition.find_cycle`).
 
     ``reply.text`` keeps a cut-off cycle once, so the conversation does not teach the
     model its own loop; it holds what was shown so far if Ctrl-C interrupts (the pieces
     the engine still sends before it stops are not shown).
     """
-    from localrun.repetition import find_cycle, strip_cycle
+    from localrun.structured.repetition import find_cycle, strip_cycle
 
     # a thinking model's thinking: dimmed before the answer in a terminal, else on stderr
     # (stdout keeps the answer alone); never kept in the conversation

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from localrun.hardware import HardwareProfile
-    from localrun.selection import Plan
+    from localrun.planning.selection import Plan
 
 
 def doctor(
@@ -31,7 +31,7 @@ def doctor(
     """
     from localrun.backends import installed_backends
     from localrun.hardware import detect_hardware
-    from localrun.selection import PlanRequest, select
+    from localrun.planning.selection import PlanRequest, select
 
     installed = installed_backends()
     profile = detect_hardware(probe_openvino="openvino" in installed)
@@ -70,7 +70,7 @@ def _gib(n: int | None) -> str:
 
 
 def _hardware(console: Console, p: HardwareProfile) -> None:
-    from localrun.selection import describe_host, host_kind
+    from localrun.planning.selection import describe_host, host_kind
 
     console.print(f"[bold]Host[/]: {_e(p.os)} {_e(p.os_version)}, {_e(p.arch)}")
     c = p.cpu

@@ -74,8 +74,8 @@ def create(
 
       localrun run pirate "Where is the treasure?"
     """
-    from localrun import presetfile, presets
     from localrun.errors import LocalrunError
+    from localrun.naming import presetfile, presets
 
     if from_ is None and file is None:
         raise LocalrunError("Nothing to make the preset from",
@@ -136,7 +136,7 @@ def show(
 
       localrun show pirate --json
     """
-    from localrun import presetfile, presets
+    from localrun.naming import presetfile, presets
 
     p = presets.get(name)
     if p is None:

@@ -40,8 +40,9 @@ def list_models(
     from rich.markup import escape
     from rich.table import Table
 
-    from localrun import hub, stores
+    from localrun import hub
     from localrun.backends import compat
+    from localrun.naming import stores
 
     found = [*hub.cached_models(), *stores.ollama_models(), *stores.lmstudio_models()]
     default = stores.default_model()
@@ -94,7 +95,7 @@ def list_models(
 
 def _presets() -> list[Any]:
     """The saved presets; a presets file that cannot be read is one warning line."""
-    from localrun import presets
+    from localrun.naming import presets
 
     try:
         return presets.all_presets()
@@ -143,7 +144,8 @@ def rm(
 
       localrun rm Qwen/Qwen2.5-0.5B-Instruct@main
     """
-    from localrun import hub, presets
+    from localrun import hub
+    from localrun.naming import presets
 
     if presets.lookup(model) is not None:
         from localrun.cli.manage import summary

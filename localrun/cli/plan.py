@@ -12,7 +12,7 @@ from localrun.cli import options as o
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from localrun.selection import Plan
+    from localrun.planning.selection import Plan
 
 
 @o.with_groups
@@ -50,7 +50,7 @@ def plan(
     the name), and the plan says so; HF_ENDPOINT=URL reaches a mirror or proxy.
     """
     from localrun.backends import BACKENDS, canonical_backend, installed_backends
-    from localrun.planning import plan as make_plan
+    from localrun.planning.plan import plan as make_plan
 
     profile = download.profile()
     if engines is not None:

@@ -42,10 +42,10 @@ def pull(
     from localrun import hub
     from localrun.backends import BACKENDS
     from localrun.cli._download import DownloadBar, print_plan
-    from localrun.embedded import ensure_default_model
     from localrun.errors import OfflineMissingError
-    from localrun.planning import plan_fetch
-    from localrun.refs import default_serves, is_default_name
+    from localrun.naming.embedded import ensure_default_model
+    from localrun.naming.refs import default_serves, is_default_name
+    from localrun.planning.plan import plan_fetch
 
     console = Console(stderr=True, highlight=False)
     quant = download.quant

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from localrun.backends.base import GenerationStats, Prompt, Session
 from localrun.reasoning import ReasoningFormat, ReasoningRequest, refuse
-from localrun.structured.output import ChatPlan
+from localrun.structured.output import PreparedChat
 from localrun.types import Message
 
 #: How the rendered prompt leaves the reply: thinking already opened (a prefilled
@@ -260,7 +260,7 @@ class Splitter:
 
 
 def thinking_prompt(session: Session, chat: ChatSetup, messages: list[Message],
-                    plan: ChatPlan | None, asked: ReasoningRequest | None
+                    plan: PreparedChat | None, asked: ReasoningRequest | None
                     ) -> tuple[Prompt, Thinking | None]:
     """The first phase's prompt of a conversation with a thinking model, and its
     thinking (None: the reply has none, as with ``think=False``)."""

@@ -22,6 +22,7 @@ from typing import Any
 from localrun.backends import logprobs as logprob_math
 from localrun.backends.base import GenerationStats, Prompt, Session
 from localrun.driver.reasoning import ChatSetup, Splitter, merged, thinking_prompt
+from localrun.driver.stopping import StopMatcher
 from localrun.errors import (
     ContextOverflowError,
     IncompleteOutputError,
@@ -30,15 +31,14 @@ from localrun.errors import (
 )
 from localrun.reasoning import ReasoningRequest, refuse
 from localrun.sampling import ResolvedSampling, resolve
-from localrun.stopping import StopMatcher
 from localrun.structured.calls import ToolCall
 from localrun.structured.constraint import Constraint
 from localrun.structured.formats import has_tool_turns
 from localrun.structured.output import (
-    ChatPlan,
     OutputProcessor,
+    PreparedChat,
     StructuredRequest,
-    plan_chat,
+    prepare_chat,
     raw_plan,
 )
 from localrun.types import (
@@ -165,7 +165,7 @@ def timings_of(stats: GenerationStats, n_prompt: int, t0: float, t_first: float,
 
 
 def encode_prompt(session: Session, messages: list[Message] | None, text: str | None,
-                  plan: ChatPlan | None, tokens: Sequence[int] | None = None,
+                  plan: PreparedChat | None, tokens: Sequence[int] | None = None,
                   chat: ChatSetup | None = None) -> Prompt:
     """The prompt tokens of one request: the engine's own chat rendering, or localrun's
     (a conversation with tools, or a chat template the caller gave), plus the
@@ -194,7 +194,7 @@ def encode_prompt(session: Session, messages: list[Message] | None, text: str | 
 
 
 def render(session: Session, chat: ChatSetup | None, messages: Sequence[Any],
-           plan: ChatPlan | None) -> str:
+           plan: PreparedChat | None) -> str:
     """A conversation rendered by localrun with the model's template (or the caller's)."""
     from localrun.templates import render_chat
 
@@ -205,17 +205,17 @@ def render(session: Session, chat: ChatSetup | None, messages: Sequence[Any],
 
 def structured_plan(session: Session, messages: list[Message] | None,
                     structured: StructuredRequest | None, chat: ChatSetup | None = None
-                    ) -> ChatPlan | None:
+                    ) -> PreparedChat | None:
     """How a request with structured output or tool turns runs on this session."""
     if messages is None:
         return raw_plan(structured) if structured is not None else None
     if structured is None and not has_tool_turns(messages):
         return None
-    return plan_chat(structured, messages,
+    return prepare_chat(structured, messages,
                      chat.template if chat is not None else session.chat_template)
 
 
-def constrained(session: Session, sampling: ResolvedSampling, plan: ChatPlan | None
+def constrained(session: Session, sampling: ResolvedSampling, plan: PreparedChat | None
                 ) -> ResolvedSampling:
     """``sampling`` with the plan's constraint, once the engine said it can enforce it."""
     if plan is None or plan.constraint is None:

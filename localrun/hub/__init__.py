@@ -17,7 +17,7 @@ progress through the same meter, and both are tried again on 5xx, 429 (Retry-Aft
 dropped connections. A disk-space check, and errors that say what to do.
 With ``HF_HUB_OFFLINE=1`` (or no network) plans are made from the cache,
 and what is missing is named: a name that was downloaded before (an alias, a base repo
-id) is planned from what that download resolved it to (:mod:`localrun.pulls`).
+id) is planned from what that download resolved it to (:mod:`localrun.hub.pulls`).
 
 Catalog entries are hints, not promises: an entry the Hub no longer has (404, gated, no
 usable weights) is passed over with one line in the plan's reasons, and the Hub's model
@@ -26,7 +26,8 @@ only the variants of the requested model size are candidates.
 
 The modules, by job (each imports only those above it):
 
-- ``plans``: the plan as data (FetchPlan, PlannedFile, QuantOption).
+- ``chosen``: what was chosen to download, as data (Download, PlannedFile, QuantOption).
+- ``pulls``: what each download resolved a name to (plain file I/O; localrun's home).
 - ``progress``: DownloadProgress reports and the byte meter both download paths share.
 - ``client``: reachability, the cache folder, retries and typed errors, Range reads.
 - ``listing``: a repo's files at one commit (Hub or cache); records of earlier downloads.
@@ -34,9 +35,9 @@ The modules, by job (each imports only those above it):
   which repos to look in.
 - ``fit``: planning tables (DEFAULT_TARGET), the model's shape, the memory fit, the
   choice among variants, models that need no download.
-- ``planner``: :func:`plan_fetch`, a Hub name to a FetchPlan.
+- ``planner``: :func:`plan_fetch`, a Hub name to a Download.
 - ``resumable``: localrun's resumable HTTP download into the HF cache.
-- ``download``: :func:`fetch`, a FetchPlan to files in the cache, checked.
+- ``download``: :func:`fetch`, a Download to files in the cache, checked.
 - ``cache``: listing and removing cached models.
 
 Re-exported here: what other modules and tests use. Knobs that tests patch
@@ -55,18 +56,18 @@ from localrun.hub.cache import (
     pulled_backends,
     remove,
 )
-from localrun.hub.client import HUB_ATTEMPTS
-from localrun.hub.download import fetch
-from localrun.hub.fit import DEFAULT_TARGET, fmt_target
-from localrun.hub.listing import record_name
-from localrun.hub.planner import DEFAULT_BACKEND, default_backend, plan_fetch
-from localrun.hub.plans import (
-    FetchPlan,
+from localrun.hub.chosen import (
+    Download,
     PlannedFile,
     QuantOption,
     Source,
     describe_options,
 )
+from localrun.hub.client import HUB_ATTEMPTS
+from localrun.hub.download import fetch
+from localrun.hub.fit import DEFAULT_TARGET, fmt_target
+from localrun.hub.listing import record_name
+from localrun.hub.planner import DEFAULT_BACKEND, default_backend, plan_fetch
 from localrun.hub.progress import DownloadProgress, ProgressCallback
 from localrun.hub.resumable import PARTIAL_SUFFIX, sha256_file
 from localrun.hub.variants import (
@@ -85,11 +86,38 @@ from localrun.hub.variants import (
 )
 
 __all__: Sequence[str] = (
-    "DEFAULT_BACKEND", "DEFAULT_TARGET", "GGUF_BPW", "GGUF_IGNORE", "HUB_ATTEMPTS",
-    "PARTIAL_SUFFIX", "TRUSTED_QUANTIZERS", "DownloadProgress", "FetchPlan", "PlannedFile",
-    "ProgressCallback", "QuantOption", "Removal", "Source", "cached_models",
-    "default_backend", "describe_options", "device_kind", "fetch", "fmt_target",
-    "gguf_quant", "keep_model_size", "model_size", "model_sizes", "ov_missing", "plan_fetch",
-    "plan_removal", "pulled_backends", "quant_matches", "record_name", "remove",
-    "repo_format", "sha256_file", "unusable",
+    "DEFAULT_BACKEND",
+    "DEFAULT_TARGET",
+    "GGUF_BPW",
+    "GGUF_IGNORE",
+    "HUB_ATTEMPTS",
+    "PARTIAL_SUFFIX",
+    "TRUSTED_QUANTIZERS",
+    "Download",
+    "DownloadProgress",
+    "PlannedFile",
+    "ProgressCallback",
+    "QuantOption",
+    "Removal",
+    "Source",
+    "cached_models",
+    "default_backend",
+    "describe_options",
+    "device_kind",
+    "fetch",
+    "fmt_target",
+    "gguf_quant",
+    "keep_model_size",
+    "model_size",
+    "model_sizes",
+    "ov_missing",
+    "plan_fetch",
+    "plan_removal",
+    "pulled_backends",
+    "quant_matches",
+    "record_name",
+    "remove",
+    "repo_format",
+    "sha256_file",
+    "unusable",
 )

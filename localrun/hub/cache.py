@@ -14,8 +14,8 @@ from typing import Any
 from huggingface_hub import scan_cache_dir
 from huggingface_hub.errors import CacheNotFound
 
-from localrun import pulls
 from localrun.errors import LocalrunError
+from localrun.hub import pulls
 from localrun.hub.client import cache_dir
 from localrun.hub.listing import (
     cache_listing,
@@ -25,8 +25,8 @@ from localrun.hub.listing import (
     records,
 )
 from localrun.hub.variants import gguf_quant, quant_matches, repo_format, variant_candidates
-from localrun.refs import ModelRef, as_catalog_alias, parse_ref
-from localrun.stores import StoredModel
+from localrun.naming.refs import ModelRef, as_catalog_alias, parse_ref
+from localrun.naming.stores import StoredModel
 
 
 def cached_models() -> list[StoredModel]:
@@ -109,7 +109,7 @@ class Removal:
 def plan_removal(ref: str | ModelRef) -> Removal:
     """What ``rm ref`` deletes, and what it keeps (with why).
 
-    An alias (or a repo id) removes the files its pulls' records list (:mod:`localrun.pulls`),
+    An alias (or a repo id) removes the files its pulls' records list (:mod:`localrun.hub.pulls`),
     at the recorded commit only; ``@revision`` and ``:QUANT`` narrow that to the records
     that match. A file another pulled name still needs, or that was in the cache before
     localrun pulled it, is kept. A repo id also removes that repo as the user named it:

@@ -32,6 +32,7 @@ from localrun.errors import (
     LocalrunError,
     OfflineMissingError,
 )
+from localrun.hub.chosen import Download, PlannedFile
 from localrun.hub.client import (
     RETRY_STATUS,
     Retry,
@@ -45,7 +46,6 @@ from localrun.hub.client import (
     wait_before_retry,
 )
 from localrun.hub.listing import remember
-from localrun.hub.plans import FetchPlan, PlannedFile
 from localrun.hub.progress import FileMeter, Meter, ProgressCallback, bar_class
 from localrun.hub.resumable import Mismatch, http_to_cache, sha256_file
 
@@ -75,7 +75,7 @@ def _bad_checksum(path: str, f: PlannedFile) -> str | None:
     return actual
 
 
-def fetch(plan: FetchPlan, *, progress: ProgressCallback | None = None,
+def fetch(plan: Download, *, progress: ProgressCallback | None = None,
           verify: Literal["new", "all"] = "new") -> Path:
     """Download what ``plan`` names into the HF cache; return what the engine opens.
 
@@ -89,7 +89,7 @@ def fetch(plan: FetchPlan, *, progress: ProgressCallback | None = None,
     answers are tried again (a download continues from the bytes it has, also in a later
     process); then HubUnavailableError. Raises ModelGatedError, HubNotFoundError,
     HubAuthError, OfflineMissingError, DiskFullError.
-    A Hub model's name is remembered with what it resolved to (:mod:`localrun.pulls`),
+    A Hub model's name is remembered with what it resolved to (:mod:`localrun.hub.pulls`),
     so that the same name runs offline later.
     """
     plan.require_fit()
@@ -128,26 +128,26 @@ def fetch(plan: FetchPlan, *, progress: ProgressCallback | None = None,
     return root
 
 
-def _cached_now(plan: FetchPlan, f: PlannedFile) -> bool:
+def _cached_now(plan: Download, f: PlannedFile) -> bool:
     assert plan.repo is not None
     hit = huggingface_hub.try_to_load_from_cache(
         plan.repo, f.path, cache_dir=cache_dir(), revision=plan.commit or plan.revision)
     return isinstance(hit, str)
 
 
-def _pinned(plan: FetchPlan) -> str:
+def _pinned(plan: Download) -> str:
     """The revision files are fetched at: the commit the plan listed."""
     return plan.commit or plan.revision or "main"
 
 
-def _shown_revision(plan: FetchPlan) -> str:
+def _shown_revision(plan: Download) -> str:
     rev = plan.revision or "main"
     if plan.commit and not plan.commit.startswith(rev):
         return f"{rev} (commit {plan.commit[:12]}, as planned)"
     return rev
 
 
-def _from_cache(plan: FetchPlan, f: PlannedFile) -> str:
+def _from_cache(plan: Download, f: PlannedFile) -> str:
     """A file the cache has: asked for by commit, huggingface_hub answers without a
     request (the Hub may be out of reach, or the branch may have moved on)."""
     assert plan.repo is not None
@@ -163,7 +163,7 @@ def _from_cache(plan: FetchPlan, f: PlannedFile) -> str:
 
 
 
-def _download(plan: FetchPlan, f: PlannedFile, meter: FileMeter) -> str:
+def _download(plan: Download, f: PlannedFile, meter: FileMeter) -> str:
     """One file of the plan into the HF cache at the planned commit, checked; a file
     whose checksum is wrong is fetched once more, then ChecksumError."""
     try:
@@ -183,7 +183,7 @@ def _xet_enabled() -> bool:
     return not constants.HF_HUB_DISABLE_XET and importlib.util.find_spec("hf_xet") is not None
 
 
-def _download_once(plan: FetchPlan, f: PlannedFile, meter: FileMeter) -> str:
+def _download_once(plan: Download, f: PlannedFile, meter: FileMeter) -> str:
     """Ask the Hub where the file is (HEAD), then fetch it: Xet-backed files through
     huggingface_hub (hf_xet), the others with localrun's resumable HTTP download. Tried
     again while failures pass (see :data:`~localrun.hub.client.HUB_ATTEMPTS`)."""
@@ -237,7 +237,7 @@ _BAD_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{")
 _COMMIT = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
 
 
-def _ref_to_note(plan: FetchPlan) -> tuple[Path, str] | None:
+def _ref_to_note(plan: Download) -> tuple[Path, str] | None:
     """Where :func:`_note_ref` writes and what: ``refs/<revision>`` in the repo's cache
     folder, holding the commit. Raises LocalrunError for a revision that is not a ref name
     (``../x``, an absolute path, control characters) or a commit that is not a hash."""
@@ -264,7 +264,7 @@ def _ref_to_note(plan: FetchPlan) -> tuple[Path, str] | None:
     return ref, commit
 
 
-def _note_ref(plan: FetchPlan) -> None:
+def _note_ref(plan: Download) -> None:
     """Write down in the cache which commit the plan's branch or tag named (what
     huggingface_hub does when asked by name, and offline plans look up): files were
     asked for by commit. Refuses a revision that is not a ref name (see

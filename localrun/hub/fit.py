@@ -20,13 +20,13 @@ from localrun import memory
 from localrun.backends import BACKENDS, compat
 from localrun.errors import HubNotFoundError
 from localrun.formats import gguf
+from localrun.hub.chosen import Download, PlannedFile, QuantOption, Source
 from localrun.hub.client import cache_dir, range_read
 from localrun.hub.listing import Listing
-from localrun.hub.plans import FetchPlan, PlannedFile, QuantOption, Source
 from localrun.hub.variants import Candidate, trust_rank
 from localrun.memory import MemoryEstimate, ModelShape
-from localrun.refs import ModelRef
-from localrun.stores import StoredModel, find_lmstudio, find_ollama
+from localrun.naming.refs import ModelRef
+from localrun.naming.stores import StoredModel, find_lmstudio, find_ollama
 
 #: The quality each format aims for by default (bits per weight); the nearest variant that
 #: fits wins. Each engine's ``target_bpw`` for the format it asks for (backends.spec):
@@ -132,7 +132,7 @@ def _option(c: Candidate, f: Fit) -> QuantOption:
 
 def choose(r: ModelRef, backend: str, fmt: str, cands: list[Candidate], base: str | None,
            budget: int | None, context: int | None, reasons: list[str], *,
-           explicit: bool, why: str | None = None, device: str | None = None) -> FetchPlan:
+           explicit: bool, why: str | None = None, device: str | None = None) -> Download:
     """The variant nearest the format's default quality (``explicit``: the one asked
     for) that fits; the shape is read once, from the first variant whose weights fit."""
     target = DEFAULT_TARGET.get(fmt, 4.0)
@@ -178,7 +178,7 @@ def choose(r: ModelRef, backend: str, fmt: str, cands: list[Candidate], base: st
     if lst.gated and huggingface_hub.get_token() is None:
         reasons.append(f"{lst.repo} is gated: set HF_TOKEN after accepting its licence")
     files = tuple(_with_cache_state(lst, lst.files[name]) for name in cand.files)
-    return FetchPlan(
+    return Download(
         ref=r.raw, source="cache" if lst.source == "cache" else "hub", format=fmt,
         backend=backend, repo=lst.repo, revision=lst.revision, commit=lst.commit,
         quant=cand.quant, subfolder=cand.subfolder, files=files, primary=cand.primary,
@@ -198,7 +198,7 @@ def _with_cache_state(lst: Listing, f: PlannedFile) -> PlannedFile:
 # --- models that need no download ------------------------------------------------------------
 
 def plan_local(r: ModelRef, backend: str, fmt: str, quant: str | None, budget: int | None,
-               context: int | None, device: str | None = None) -> FetchPlan | None:
+               context: int | None, device: str | None = None) -> Download | None:
     """Models that need no download: local paths, the packaged default, Ollama, LM Studio."""
     found = _find_local(r, fmt, quant)
     if found is None:
@@ -213,7 +213,7 @@ def plan_local(r: ModelRef, backend: str, fmt: str, quant: str | None, budget: i
         except OSError:
             shape = None
     f = fit(model.size, shape, context, budget, backend=backend, device=device)
-    return FetchPlan(
+    return Download(
         ref=r.raw, source=source, format=model.format, backend=backend, repo=model.repo,
         revision=None, commit=None, quant=model.quant, subfolder=None, files=(),
         primary=None, local_path=model.path, memory=f.estimate, budget_bytes=budget,
@@ -225,7 +225,7 @@ def _find_local(r: ModelRef, fmt: str, quant: str | None) -> tuple[StoredModel, 
     """The model ``r`` names on this machine outside the HF cache, and where it is."""
     if r.kind in ("path", "default"):
         from localrun.formats.detect import detect, folder_bytes
-        from localrun.stores import default_model_path
+        from localrun.naming.stores import default_model_path
 
         p = r.path if r.kind == "path" else default_model_path()
         assert p is not None
@@ -257,11 +257,11 @@ def _find_local(r: ModelRef, fmt: str, quant: str | None) -> tuple[StoredModel, 
 def pulled_paths(model: str) -> list[Path]:
     """What earlier downloads of ``model`` (this name, for any engine) left in the cache:
     the GGUF file, or the variant's folder; read offline to size the model for another
-    engine or machine (:func:`localrun.planning.plan`)."""
-    from localrun import pulls
+    engine or machine (:func:`localrun.planning.plan.plan`)."""
     from localrun.errors import LocalrunError
+    from localrun.hub import pulls
     from localrun.hub.listing import cached_repos, record_listing, record_name, records
-    from localrun.refs import parse_ref
+    from localrun.naming.refs import parse_ref
 
     try:
         name = record_name(parse_ref(model))

@@ -1,5 +1,5 @@
 """What a repo holds: its files at one commit, from the Hub or from the HF cache; and
-what earlier downloads of a name resolved it to (:mod:`localrun.pulls`)."""
+what earlier downloads of a name resolved it to (:mod:`localrun.hub.pulls`)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import huggingface_hub
 from huggingface_hub import scan_cache_dir
 from huggingface_hub.errors import CacheNotFound
 
-from localrun import pulls
 from localrun.errors import LocalrunError
+from localrun.hub import pulls
+from localrun.hub.chosen import Download, PlannedFile, Source
 from localrun.hub.client import api, cache_dir, hub_call
-from localrun.hub.plans import FetchPlan, PlannedFile, Source
-from localrun.refs import ModelRef, as_catalog_alias, parse_ref
+from localrun.naming.refs import ModelRef, as_catalog_alias, parse_ref
 
 
 @dataclass
@@ -120,7 +120,7 @@ def record_listing(rec: pulls.PullRecord, cached: dict[str, Any]) -> Listing | N
     return lst
 
 
-def remember(plan: FetchPlan) -> None:
+def remember(plan: Download) -> None:
     """Write down what ``plan``'s name resolved to (best effort: a read-only home only
     loses the offline shortcut, never the download)."""
     try:
@@ -141,7 +141,7 @@ def remember(plan: FetchPlan) -> None:
         pulls.remember(rec)
 
 
-def _found(plan: FetchPlan) -> tuple[str, ...]:
+def _found(plan: Download) -> tuple[str, ...]:
     """The plan's files that were cached when it was made and that no pull downloaded
     (another program did): ``localrun rm`` keeps them. A file an earlier pull (of any
     name) downloaded stays localrun's."""

@@ -14,15 +14,15 @@ import huggingface_hub
 from huggingface_hub import constants
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-from localrun import pulls
 from localrun.backends import BACKENDS, canonical_backend, compat
-from localrun.catalog import CatalogEntry, Variant
 from localrun.errors import (
     HubNotFoundError,
     ModelGatedError,
     NoVariantError,
     OfflineMissingError,
 )
+from localrun.hub import pulls
+from localrun.hub.chosen import Download
 from localrun.hub.client import api, unreachable
 from localrun.hub.fit import choose, plan_local
 from localrun.hub.listing import (
@@ -35,7 +35,6 @@ from localrun.hub.listing import (
     record_name,
     records,
 )
-from localrun.hub.plans import FetchPlan
 from localrun.hub.variants import (
     BPW_BRANCH,
     Candidate,
@@ -48,7 +47,8 @@ from localrun.hub.variants import (
     unusable,
     variant_candidates,
 )
-from localrun.refs import ModelRef, as_catalog_alias, default_serves, parse_ref
+from localrun.naming.catalog import CatalogEntry, Variant
+from localrun.naming.refs import ModelRef, as_catalog_alias, default_serves, parse_ref
 
 #: The engine a plan is made for when the caller names none (until selection decides).
 DEFAULT_BACKEND = "llama.cpp"
@@ -71,10 +71,10 @@ def plan_fetch(
     quant: str | None = None,
     device: str | None = None,
     allow_unoptimized: bool = False,
-) -> FetchPlan:
+) -> Download:
     """Plan what to download for ``ref`` on ``backend``, before downloading anything.
 
-    ``ref``: anything :func:`localrun.refs.parse_ref` accepts. ``backend``: the engine
+    ``ref``: anything :func:`localrun.naming.refs.parse_ref` accepts. ``backend``: the engine
     (default :func:`default_backend`); ``format``: override the format it wants (default:
     the engine's native one). ``memory_budget_bytes``: free VRAM / unified memory / RAM;
     None skips the fit check. ``context``: tokens of KV cache to plan for, as the engines
@@ -144,7 +144,7 @@ class _Planner:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def plan(self) -> FetchPlan:
+    def plan(self) -> Download:
         if self.offline_reason:
             recorded = self.from_records()
             if recorded is not None:
@@ -182,7 +182,7 @@ class _Planner:
                 self.cached = cached_repos()
         return cache_listing(repo, revision, self.cached)
 
-    def search(self) -> FetchPlan:
+    def search(self) -> Download:
         """Plan from the Hub (or the cache): the named repo, or the variants of a base."""
         r = self.r
         if r.kind == "repo":
@@ -365,7 +365,7 @@ class _Planner:
                           "are candidates")
         return out
 
-    def choose(self, listings: list[Listing], base: str | None) -> FetchPlan:
+    def choose(self, listings: list[Listing], base: str | None) -> Download:
         r, fmt, want_quant = self.r, self.fmt, self.want_quant
         cands, missing = self.candidates(listings)
         if want_quant:
@@ -395,7 +395,7 @@ class _Planner:
         return choose(r, self.backend, fmt, cands, base, self.budget, self.context,
                       self.reasons, explicit=bool(want_quant), device=self.device)
 
-    def from_records(self) -> FetchPlan | None:
+    def from_records(self) -> Download | None:
         """Offline: plan what an earlier download of this very name fetched for this
         engine (and quant), if its files are still in the cache."""
         name = record_name(self.r)
@@ -427,7 +427,7 @@ class _Planner:
 
 
 def entry_for(repo: str) -> CatalogEntry | None:
-    from localrun import catalog
+    from localrun.naming import catalog
 
     return catalog.for_repo(repo)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from localrun.hub.plans import PlannedFile
+from localrun.hub.chosen import PlannedFile
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from huggingface_hub.utils import (  # type: ignore[attr-defined]
     build_hf_headers,
 )
 
+from localrun.hub.chosen import PlannedFile
 from localrun.hub.client import Retry, cache_dir, storage
-from localrun.hub.plans import PlannedFile
 from localrun.hub.progress import FileMeter
 
 #: Suffix of localrun's partial downloads, next to the blob they become in the HF cache.

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import httpx2
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-from localrun.catalog import CatalogEntry
 from localrun.hub.client import api, offline
 from localrun.hub.listing import Listing
+from localrun.naming.catalog import CatalogEntry
 
 #: GGUF quant -> approximate bits per weight (llama.cpp's quantize table); the quality scale.
 GGUF_BPW: dict[str, float] = {

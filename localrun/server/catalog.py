@@ -15,12 +15,12 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from localrun.naming.stores import StoredModel
 from localrun.server.manager import Loaded
 from localrun.server.state import ServerState
-from localrun.stores import StoredModel
 
 if TYPE_CHECKING:
-    from localrun.presets import Preset
+    from localrun.naming.presets import Preset
 
 #: Ollama's way of saying "never expires" is a date far away; clients parse it as a date.
 FOREVER = "2318-01-01T00:00:00Z"
@@ -39,7 +39,8 @@ def time_now() -> float:
 
 def disk_models() -> list[StoredModel]:
     """Models on disk (Hugging Face cache, Ollama, LM Studio, the packaged default)."""
-    from localrun import hub, stores
+    from localrun import hub
+    from localrun.naming import stores
 
     found: list[StoredModel] = []
     for source in (hub.cached_models, stores.ollama_models, stores.lmstudio_models):
@@ -273,8 +274,8 @@ def preset_show(st: ServerState, p: Preset) -> dict[str, Any]:
     """/api/show for a preset: its model's details where that is on disk, the preset
     as a Modelfile (``localrun show``'s text), its ``parameters``, ``system`` and
     example ``messages``. Blocking (reads the disk): call it in a worker thread."""
-    from localrun.presetfile import format_preset
-    from localrun.presets import Adapter
+    from localrun.naming.presetfile import format_preset
+    from localrun.naming.presets import Adapter
 
     paths = shows_paths(st)
     found = on_disk(p.model)

@@ -29,7 +29,7 @@ from localrun.server.errors import APIError
 from localrun.server.sizing import Kind
 
 if TYPE_CHECKING:
-    from localrun.presets import Preset
+    from localrun.naming.presets import Preset
     from localrun.resolve import Target
     from localrun.types import ModelInfo
 
@@ -188,9 +188,9 @@ class Asked:
 
 
 class PresetTable:
-    """The presets (:mod:`localrun.presets`), read again only when their file changes
+    """The presets (:mod:`localrun.naming.presets`), read again only when their file changes
     (its size, time or inode), so a request pays one ``stat``. A damaged file fails only
-    the names that could mean nothing else, as :func:`localrun.presets.lookup` does."""
+    the names that could mean nothing else, as :func:`localrun.naming.presets.lookup` does."""
 
     def __init__(self) -> None:
         self._stamp: tuple[Any, ...] | None = None
@@ -200,7 +200,7 @@ class PresetTable:
     def get(self, name: str) -> Preset | None:
         """The preset called ``name`` (any case), or None; PresetError where the file
         cannot be read and ``name`` can only be a preset's."""
-        from localrun import presets
+        from localrun.naming import presets
 
         if not presets.could_be(name):
             return None
@@ -224,7 +224,7 @@ class PresetTable:
 
     def all(self) -> list[Preset]:
         """Every preset (an unreadable file: none)."""
-        from localrun import presets
+        from localrun.naming import presets
 
         try:
             return presets.all_presets()

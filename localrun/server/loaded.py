@@ -19,7 +19,7 @@ from localrun.server.sizing import Batch, Kind, kept_bytes
 from localrun.types import ModelInfo
 
 if TYPE_CHECKING:
-    from localrun.presets import Preset
+    from localrun.naming.presets import Preset
     from localrun.server.manager import ModelManager
 
 #: ``--parallel``'s default for a model on the CPU whose engine batches: requests it runs

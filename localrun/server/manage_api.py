@@ -70,7 +70,7 @@ async def create(request: Request) -> Any:
 
 def _create(st: ServerState, req: mg.CreateRequest, name: str) -> Any:
     """Make and save the preset ``req`` describes (blocking: a worker thread)."""
-    from localrun import presetfile, presets
+    from localrun.naming import presetfile, presets
     from localrun.sampling import SAMPLING_OPTIONS
 
     _check(lambda: presets.check_name(name), "model")
@@ -121,7 +121,7 @@ def _messages(req: mg.CreateRequest, spec: Any) -> tuple[str | None, list[tuple[
 
 def _check(make: Any, param: str) -> Any:
     """``make()``, with a preset's error as a 400 naming ``param``."""
-    from localrun.presets import PresetError
+    from localrun.naming.presets import PresetError
 
     try:
         return make()
@@ -141,7 +141,7 @@ async def copy(request: Request) -> Any:
 
 
 def _copy(st: ServerState, source: str, destination: str) -> None:
-    from localrun import presets
+    from localrun.naming import presets
 
     _check(lambda: presets.check_name(destination), "destination")
     found = _check(lambda: presets.lookup(source), "source")
@@ -165,7 +165,7 @@ def _copy(st: ServerState, source: str, destination: str) -> None:
     "DELETE", "/api/delete", "Ollama", request=mg.DeleteRequest, response=mg.Status,
     summary="Delete a preset, or what localrun pulled under a name (--allow-delete)"))
 async def delete(request: Request) -> Any:
-    from localrun import presets
+    from localrun.naming import presets
 
     st = state_of(request)
     name = mg.model_name(await parse(request, mg.DeleteRequest))

@@ -260,7 +260,7 @@ def _status_of(e: BaseException) -> int:
 
 def _pull(model: str, backend: str, emit: Any) -> None:
     from localrun import hub
-    from localrun.planning import plan_fetch
+    from localrun.planning.plan import plan_fetch
 
     emit({"status": "pulling manifest"})
     _, fetch = plan_fetch(model, backend=backend)

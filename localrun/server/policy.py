@@ -32,7 +32,7 @@ from localrun.server.config import ServerConfig, is_loopback
 from localrun.server.errors import APIError
 
 if TYPE_CHECKING:
-    from localrun.presets import Preset
+    from localrun.naming.presets import Preset
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -211,7 +211,7 @@ _DRIVE = re.compile(r"^[A-Za-z]:[\\/]")
 
 def looks_like_path(name: str) -> bool:
     """Whether ``name`` is written as a file or folder (whether or not it exists):
-    what :func:`localrun.refs.parse_ref` takes for a path (``/x``, ``./x``, ``~/x``,
+    what :func:`localrun.naming.refs.parse_ref` takes for a path (``/x``, ``./x``, ``~/x``,
     ``x.gguf``), a ``file:`` URL, a Windows path, or any name with a ``.``/``..``
     segment (``ollama:../x`` would lead out of Ollama's folder)."""
     s = name.strip()
@@ -225,7 +225,7 @@ def looks_like_path(name: str) -> bool:
 
 def _exists(name: str) -> bool:
     """Whether ``name`` is a file or folder relative to the server's working directory
-    (resolving then takes it for a path, :func:`localrun.refs.local_path`)."""
+    (resolving then takes it for a path, :func:`localrun.naming.refs.local_path`)."""
     try:
         return Path(name).expanduser().exists()
     except (OSError, ValueError, RuntimeError):  # too long, NUL, unknown ~user
@@ -238,7 +238,7 @@ def check_model(config: ServerConfig, name: str, *, loads: bool = True) -> None:
     on disk (the Hugging Face cache, the pull records, Ollama's and LM Studio's stores,
     the packaged default): no Hub request. A name written as a path gets the same
     answer whether or not it exists. Blocking I/O: call it in a worker thread."""
-    from localrun.refs import is_default_name
+    from localrun.naming.refs import is_default_name
 
     if config.pull_allowed and config.local_paths_allowed:
         return
@@ -269,7 +269,7 @@ def check_model(config: ServerConfig, name: str, *, loads: bool = True) -> None:
 
 def _preset(name: str) -> Preset | None:
     """The preset ``name`` names (a damaged presets file: PresetError, a 400)."""
-    from localrun.presets import lookup
+    from localrun.naming.presets import lookup
 
     return lookup(name)
 
@@ -279,8 +279,10 @@ def would_download(name: str) -> bool:
     earlier download put in the Hugging Face cache (no pull record of it with its files
     there, nor the repo itself), and that Ollama's or LM Studio's store does not have.
     Names localrun cannot read at all download nothing (their load says why)."""
-    from localrun import hub, pulls, stores
-    from localrun.refs import parse_ref
+    from localrun import hub
+    from localrun.hub import pulls
+    from localrun.naming import stores
+    from localrun.naming.refs import parse_ref
 
     try:
         r = parse_ref(name)

@@ -6,7 +6,7 @@ continue its conversation and ``GET``/``DELETE /v1/responses/{id}`` and
 
 Where: ``responses.sqlite3`` in localrun's home: ``$LOCALRUN_HOME`` when set, else the
 ``localrun`` folder next to the Hugging Face cache (where ``pulls.json`` lives, see
-:mod:`localrun.pulls`). Stored responses are state a client expects back, not a cache:
+:mod:`localrun.hub.pulls`). Stored responses are state a client expects back, not a cache:
 ``$LOCALRUN_CACHE`` holds what localrun can download again, and may be wiped. A folder
 created here is 0700 and the file 0600 (it holds conversations); SQLite gives its
 ``-wal``/``-shm`` files the database file's mode.
@@ -214,7 +214,7 @@ def new_item_id(item_type: str = "message") -> str:
 def home_dir() -> Path:
     """localrun's home for its own state: ``$LOCALRUN_HOME``, else the ``localrun`` folder
     next to the Hugging Face cache (where the pull records are)."""
-    from localrun import pulls
+    from localrun.hub import pulls
     from localrun.hub.client import cache_dir
 
     return pulls.records_path(cache_dir()).parent

@@ -87,7 +87,7 @@ def estimate_bytes(name: str, context: int | None, config: ServerConfig,
         est = estimate_path(target.path, ctx, target.backend, target.device)
         return est.total_bytes if est is not None else None
     try:
-        from localrun.planning import plan_fetch
+        from localrun.planning.plan import plan_fetch
 
         _, fetch = plan_fetch(name, backend=config.backend, context=ctx,
                               allow_unoptimized=config.allow_unoptimized)

@@ -2,7 +2,7 @@
 
 1. :func:`prepare` checks ``response_format``/``schema``/``tools``/``tool_choice`` once,
    before any engine is touched (bad shapes and unenforceable schemas fail here).
-2. :func:`plan_chat` decides, for one model's chat template, how the conversation is
+2. :func:`prepare_chat` decides, for one model's chat template, how the conversation is
    rendered (the template's own tool support, or the fallback prompt), what the
    assistant turn is pre-filled with (a forced call's opening marker) and the
    :class:`Constraint` the engine enforces.
@@ -100,7 +100,7 @@ def prepare(response_format: object = None, schema: object = None, tools: object
 
 
 @dataclass(frozen=True)
-class ChatPlan:
+class PreparedChat:
     """How one request is run on one model."""
 
     messages: list[dict[str, Any]]  # to render (converted for the fallback when needed)
@@ -112,8 +112,8 @@ class ChatPlan:
     request: StructuredRequest | None = None
 
 
-def plan_chat(request: StructuredRequest | None, messages: Sequence[Mapping[str, Any]],
-              template: str | None) -> ChatPlan:
+def prepare_chat(request: StructuredRequest | None, messages: Sequence[Mapping[str, Any]],
+              template: str | None) -> PreparedChat:
     """Rendering, prefill and constraint for ``request`` on a model with ``template``."""
     msgs = [dict(m) for m in messages]
     tool_turns = has_tool_turns(msgs)
@@ -138,11 +138,11 @@ def plan_chat(request: StructuredRequest | None, messages: Sequence[Mapping[str,
             prefill = forced_prefill(fmt)
     elif request is not None and request.output is not None:
         constraint = Constraint.json(request.output.schema, request.output.label)
-    return ChatPlan(msgs, template_tools, render_here, prefill, constraint,
+    return PreparedChat(msgs, template_tools, render_here, prefill, constraint,
                     fmt if calls_tools else None, request)
 
 
-def raw_plan(request: StructuredRequest | None) -> ChatPlan:
+def raw_plan(request: StructuredRequest | None) -> PreparedChat:
     """``complete()`` (no chat template): a schema constrains the continuation; tools
     need a chat turn."""
     if request is not None and request.calls_tools:
@@ -150,7 +150,7 @@ def raw_plan(request: StructuredRequest | None) -> ChatPlan:
                                "tools", hint="use model.chat(..., tools=[...])")
     constraint = Constraint.json(request.output.schema, request.output.label) \
         if request is not None and request.output is not None else None
-    return ChatPlan([], None, False, "", constraint, None, request)
+    return PreparedChat([], None, False, "", constraint, None, request)
 
 
 @dataclass
@@ -172,7 +172,7 @@ class OutputProcessor:
     complete, and the driver ends the reply as it does at a stop string.
     """
 
-    plan: ChatPlan
+    plan: PreparedChat
     runaway: Runaway | None = field(default=None, init=False)
     _parser: ToolCallParser | None = field(default=None, init=False)
     _text: list[str] = field(default_factory=list, init=False)

@@ -9,7 +9,7 @@ field can loop inside it (``"Paris Paris Paris ..."``, ``"aaaa..."``) until
 :class:`Runaway` naming the field:
 
 * a string (value or key) whose end repeats one unit back to back, by
-  :func:`localrun.repetition.find_cycle`'s rule (the chat loop guard's: a short unit 8
+  :func:`localrun.structured.repetition.find_cycle`'s rule (the chat loop guard's: a short unit 8
   times and 120 characters, a sentence 5 times);
 * a number literal longer than :data:`MAX_NUMBER_CHARS` or a run of more than
   :data:`MAX_BLANKS` blanks between tokens (the grammar refuses both on llguidance;
@@ -31,7 +31,7 @@ import json
 from dataclasses import dataclass
 
 from localrun.errors import IncompleteOutputError
-from localrun.repetition import MAX_PERIOD, MIN_CHARS, find_cycle
+from localrun.structured.repetition import MAX_PERIOD, MIN_CHARS, find_cycle
 
 #: A number literal longer than this is runaway (an int64 is 20 characters, a bounded
 #: decimal 26; a schema's own bounds up to 1e90 still fit).

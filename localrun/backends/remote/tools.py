@@ -1,7 +1,7 @@
 """Tools over an OpenAI-compatible server (backend "remote", and "vllm" on top of it):
 the server's own tool support, seen through localrun's structured-output layer.
 
-That layer (``structured.output.plan_chat``) decides from a model's chat template how
+That layer (``structured.output.prepare_chat``) decides from a model's chat template how
 tools are rendered and how calls are read back. A remote model's template lives on the
 server, which renders it with the tools and parses (or, for a forced call, constrains)
 the calls itself; so a remote session names :data:`ENVELOPE_TEMPLATE` as its template.

@@ -5,7 +5,7 @@ ends there.
 
 ``/api/create`` takes Ollama's current request (``model``, ``from``, ``system``,
 ``parameters``, ``messages``) and its older one (``name`` and ``modelfile``, the
-Modelfile's text, read as :mod:`localrun.presetfile` reads a preset file). What makes a
+Modelfile's text, read as :mod:`localrun.naming.presetfile` reads a preset file). What makes a
 new model out of files (``files``, ``quantize``), LoRA adapters (``adapters``, until
 localrun loads them), and a Go ``template`` are refused with the reason.
 """

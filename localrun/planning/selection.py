@@ -5,7 +5,7 @@ as a :class:`~localrun.hardware.HardwareProfile` and the installed engines as a
 mapping, so any machine can be planned for (``localrun plan --hardware P.json``).
 
 The rules are data (``RULES``, ``FALLBACKS`` here; ``HOST_TESTS`` and the devices'
-fits in :mod:`localrun.hosts`; each engine's facts in :mod:`localrun.backends.spec`):
+fits in :mod:`localrun.planning.hosts`; each engine's facts in :mod:`localrun.backends.spec`):
 each host kind has an ordered list of (engine, device) candidates; the first candidate
 that runs the model's format natively, fits the hardware and is installed wins.
 Every candidate skipped on the way is named with the reason, and a better engine that
@@ -22,7 +22,7 @@ from typing import Any
 from localrun.backends import BACKENDS, canonical_backend, compat, install_hint
 from localrun.errors import FormatMismatchError, NoSuitableEngineError
 from localrun.hardware import HardwareProfile
-from localrun.hosts import (
+from localrun.planning.hosts import (
     DATACENTER_GPU,
     DEVICE_FITS,
     Candidate,

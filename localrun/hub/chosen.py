@@ -41,7 +41,7 @@ class QuantOption:
 
 
 @dataclass(frozen=True)
-class FetchPlan:
+class Download:
     """What to fetch for one model on one engine, and whether it fits. Pure data.
 
     ``files`` are what :func:`~localrun.hub.fetch` downloads (only what the engine needs);

@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from localrun.catalog import CatalogEntry, for_model_name
 from localrun.errors import ModelFileError
 from localrun.formats.detect import DetectedModel
+from localrun.naming.catalog import CatalogEntry, for_model_name
 
 _CACHE_DIR = re.compile(r"^models--([^/]+?)--(.+)$")
 #: formats made by converting another repo: their README's base_model is their source

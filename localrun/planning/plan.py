@@ -22,11 +22,11 @@ from localrun import hardware as _hardware
 from localrun import memory
 from localrun.hardware import GiB, HardwareProfile
 from localrun.memory import MemoryEstimate, ModelShape, gpu_share
-from localrun.selection import Plan, PlanRequest, Preference, select
+from localrun.planning.selection import Plan, PlanRequest, Preference, select
 
 if TYPE_CHECKING:
     from localrun.errors import LocalrunError
-    from localrun.hub import FetchPlan
+    from localrun.hub import Download
 
 
 def plan(
@@ -59,7 +59,7 @@ def plan(
         LocalrunError,
         OfflineMissingError,
     )
-    from localrun.presets import lookup
+    from localrun.naming.presets import lookup
 
     preset = lookup(model) if backend.strip().lower() != "remote" else None
     if preset is not None:  # a preset plans its model, engine and context
@@ -119,8 +119,8 @@ def plan_fetch(
     context: int | None = None,
     quant: str | None = None,
     hub: bool = True,
-) -> tuple[Plan, FetchPlan | None]:
-    """Like :func:`plan`, also returning the Hub's FetchPlan (None for local models)."""
+) -> tuple[Plan, Download | None]:
+    """Like :func:`plan`, also returning the Hub's Download (None for local models)."""
     from localrun.backends import installed_backends
 
     # Looked up on the module at call time, not bound at import: a binding made while a
@@ -142,11 +142,11 @@ def plan_fetch(
 
 def _with_hub(chosen: Plan, model: str, profile: HardwareProfile, engines: Mapping[str, str],
               backend: str, context: int | None, quant: str | None, allow_unoptimized: bool,
-              request: PlanRequest) -> tuple[Plan, FetchPlan]:
+              request: PlanRequest) -> tuple[Plan, Download]:
     from localrun import hub as hubmod
     from localrun.errors import FormatMismatchError, NoVariantError, OfflineMissingError
 
-    def attempt(p: Plan) -> FetchPlan:
+    def attempt(p: Plan) -> Download:
         return hubmod.plan_fetch(model, backend=p.backend,
                                  memory_budget_bytes=memory_budget(profile, p.device, p.backend),
                                  context=context, quant=quant, device=p.device.split(":")[0],
@@ -191,7 +191,7 @@ def _offload_reasons(profile: HardwareProfile, chosen: Plan,
 
 def _other_engine(e: Exception, chosen: Plan, profile: HardwareProfile,
                   engines: Mapping[str, str], model: str,
-                  attempt: Callable[[Plan], FetchPlan]) -> tuple[Plan, FetchPlan]:
+                  attempt: Callable[[Plan], Download]) -> tuple[Plan, Download]:
     """Auto mode, when the chosen engine has nothing to run: the next engine that does.
 
     A repo that is itself a variant decides the format: an engine that runs it natively.
@@ -238,7 +238,7 @@ def _next_engines(profile: HardwareProfile, engines: Mapping[str, str],
                   exclude: str) -> list[str]:
     """Installed engines in this host's order (its rules, then the fallbacks) that fit
     its hardware, other than ``exclude``."""
-    from localrun.selection import DEVICE_FITS, PlanRequest, candidates
+    from localrun.planning.selection import DEVICE_FITS, PlanRequest, candidates
 
     out: list[str] = []
     for c in candidates(profile):
@@ -280,7 +280,7 @@ class _Basis:
 def _local_basis(model: str | None, request: PlanRequest) -> _Basis | None:
     """A model on disk: the sizes of its weight files and the shape its GGUF header or
     config.json gives."""
-    from localrun.refs import local_path
+    from localrun.naming.refs import local_path
 
     path = local_path(model)
     if path is None:
@@ -323,7 +323,7 @@ def _offline_basis(model: str, fmt: str, quant: str | None) -> _Basis | None:
     the name gives; the weights at ``quant`` in ``fmt``."""
     from localrun.hub.fit import pulled_paths
     from localrun.hub.variants import model_size
-    from localrun.refs import parse_ref
+    from localrun.naming.refs import parse_ref
 
     bpw = bits_per_weight(quant, fmt)
     if bpw is None:
@@ -422,8 +422,8 @@ def request_for(model: str | None, *, backend: str = "auto", prefer: Preference 
     """A PlanRequest for a reference: local files are detected; names are left to the Hub
     (the packaged default's name too, when another quant is asked for)."""
     from localrun.formats.detect import detect
-    from localrun.refs import default_serves, is_default_name, local_path
-    from localrun.stores import DEFAULT_MODEL_ALIAS
+    from localrun.naming.refs import default_serves, is_default_name, local_path
+    from localrun.naming.stores import DEFAULT_MODEL_ALIAS
 
     path = local_path(model)
     if path is not None and is_default_name(model) and not default_serves(quant):

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localrun.presets import Adapter, Preset, PresetError, parse_adapter
+from localrun.naming.presets import Adapter, Preset, PresetError, parse_adapter
 
 #: PARAMETER name -> (the preset field or sampling option, the value's type)
 PARAMETERS: dict[str, tuple[str, type]] = {
@@ -74,7 +74,7 @@ class PresetFileError(PresetError):
 
 @dataclass
 class PresetSpec:
-    """What a file says, before :func:`localrun.presets.make` checks it as a whole."""
+    """What a file says, before :func:`localrun.naming.presets.make` checks it as a whole."""
 
     model: str | None = None
     system: str | None = None

