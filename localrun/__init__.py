@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from localrun.adapters import Adapter, AdapterError
 from localrun.errors import (
     ContextOverflowError,
     EngineNotInstalledError,
@@ -28,12 +29,15 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from localrun.api import Model, Stream, load
+    from localrun.backends.base import Footprint
     from localrun.batch import BatchError, BatchItem
     from localrun.hardware import HardwareProfile, detect_hardware
     from localrun.planning.plan import plan
     from localrun.planning.selection import Plan
 
 __all__ = [
+    "Adapter",
+    "AdapterError",
     "BatchError",
     "BatchItem",
     "CancelToken",
@@ -41,6 +45,7 @@ __all__ = [
     "Completion",
     "ContextOverflowError",
     "EngineNotInstalledError",
+    "Footprint",
     "FormatMismatchError",
     "HardwareProfile",
     "InvalidSamplingError",
@@ -66,7 +71,8 @@ __all__ = [
 _LAZY = {"load": "localrun.api", "Model": "localrun.api", "Stream": "localrun.api",
          "plan": "localrun.planning.plan", "detect_hardware": "localrun.hardware",
          "HardwareProfile": "localrun.hardware", "Plan": "localrun.planning.selection",
-         "BatchItem": "localrun.batch", "BatchError": "localrun.batch"}
+         "BatchItem": "localrun.batch", "BatchError": "localrun.batch",
+         "Footprint": "localrun.backends.base"}
 
 
 def __getattr__(name: str) -> Any:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from localrun.backends.base import Session
+from localrun.backends.base import Footprint, Session
 from localrun.driver import Driver, Request, Stream
 from localrun.driver.sequence import token_ids
 from localrun.errors import LocalrunError, ModelClosedError
@@ -25,10 +26,12 @@ from localrun.templates import normalize_messages
 from localrun.types import CancelToken, Completion, Message, ModelInfo, Sampling
 
 if TYPE_CHECKING:
+    from localrun.adapters import Adapter
     from localrun.batch import BatchInput
     from localrun.hub import Download, ProgressCallback
     from localrun.naming.presets import Preset
     from localrun.planning.selection import Plan
+    from localrun.resolve import Target
 
 __all__ = ["Model", "Stream", "load", "make_sampling"]
 
@@ -156,6 +159,16 @@ class Model:
         before penalties, temperature, filters and masks (OpenAI's and vLLM's). llama.cpp,
         ONNX Runtime GenAI and MLX report them; another engine raises
         UnsupportedFeatureError before generating. ``echo`` as for :meth:`complete`.
+
+        LoRA adapters: ``adapters=`` the set this reply runs under, instead of the one the
+        model loaded with (``load(adapters=...)``; adapters not named are off):
+        ``{"name": scale}``, a list of names or indices (their load-time scale), ``(name,
+        scale)`` pairs or ``{"id"|"name": ..., "scale": ...}``; ``[]`` for the base
+        model. llama.cpp switches sets between calls (and within a batch) on one loaded
+        model; vLLM takes one adapter per call; MLX refuses a set other than its own.
+        ``speculative=`` ("off", "auto", "prompt-lookup", "draft") overrides the load's
+        speculative decoding for this call; ``Completion.timings`` counts the drafted and
+        accepted tokens.
         """
         tokens = None
         if raw and not isinstance(messages, str):
@@ -170,16 +183,17 @@ class Model:
         structured = prepare(response_format, schema, tools, tool_choice,
                              parallel_tool_calls)
         reasoning = reasoning_request(think, reasoning_effort, thinking_budget)
-        if raw:
-            raw_plan(structured)  # tools need a chat turn: refuse now, not mid-stream
+        prepared = None
+        if raw:  # tools need a chat turn: refuse now, not mid-stream; the plan goes along
+            prepared = raw_plan(structured) if structured is not None else None
             if reasoning is not None and reasoning.think:
                 raise refuse(reasoning, "a raw prompt has no chat template to think in")
         msgs = None if raw else normalize_messages(messages)  # type: ignore[arg-type]
         if msgs is not None and self.preset is not None:
             msgs = self.preset.conversation(msgs)  # its system prompt, unless the caller's
         text = messages if isinstance(messages, str) and raw else None
-        return self._driver.stream(Request(msgs, text, request, structured, tokens, reasoning),
-                                   cancel or CancelToken())
+        return self._driver.stream(Request(msgs, text, request, structured, tokens, reasoning,
+                                           prepared), cancel or CancelToken())
 
     def batch(
         self,
@@ -279,34 +293,20 @@ class Model:
         only caps how many run at once."""
         self._driver.limit(_check_concurrency(n))
 
-    @property
-    def batch_reserved_bytes(self) -> int | None:
-        """Memory (bytes) the engine's batcher holds beyond the model's own (weights and
-        one KV cache) to run :attr:`max_concurrency` sequences at once: llama.cpp's batch
-        context; 0 when they share the model's KV cache (OpenVINO GenAI, ExLlama) or run
-        on a server; None when each sequence's KV cache grows with it (MLX). Asking
-        builds the batcher, as for :attr:`max_concurrency`."""
-        return self._driver.batch_reserved_bytes()
-
-    @property
-    def kept_cache_bytes(self) -> int:
-        """Most memory (bytes) the engine keeps between calls beyond the model's own KV
-        cache, for KV reuse: MLX's prompt caches of recent calls (a few, within 1 GiB,
-        or the last one's whatever it takes); 0 where the cells it reuses live in a KV
-        cache counted already (llama.cpp, OpenVINO)."""
-        return self._live().kept_cache_bytes
-
-    @property
-    def batch_slots(self) -> tuple[int, int] | None:
-        """Before the engine's batcher is built, where it will hold memory for each
-        sequence it runs at once from the start (llama.cpp's batch context, a KV stream
-        per slot): ``(slots, bytes_per_slot)``, the slots it would build now (within
-        :meth:`limit_concurrency`; under 2, none) and the memory each takes. It builds
-        nothing, so a caller can size the batcher to its memory first
-        (``limit_concurrency``). None where building it holds nothing up front, and once
-        it is built: :attr:`max_concurrency` and :attr:`batch_reserved_bytes` then say
-        what it runs and holds."""
-        return self._driver.batch_slots()
+    def footprint(self, slots: int | None = None) -> Footprint:
+        """What the engine holds in memory (bytes) with ``slots`` sequences running at once
+        (None: as many as it runs, within :meth:`limit_concurrency`): a
+        :class:`~localrun.backends.base.Footprint` of ``fixed`` (weights, overhead, the
+        context's KV cache, a batch context built already), ``per_slot`` (what each
+        sequence adds: llama.cpp's KV stream per slot before its batch context is built,
+        MLX's growing KV cache) and ``kept`` (what it keeps between calls for KV reuse:
+        MLX's prompt caches); ``total`` sums them. Its ``slots`` are those the engine
+        would run. llama.cpp's batch context is not built by asking, so that a caller
+        can size it first (:meth:`limit_concurrency`, then :attr:`max_concurrency`
+        builds it); another engine's batcher, which holds nothing up front, may be."""
+        if slots is not None:
+            _check_concurrency(slots, "slots")
+        return self._driver.footprint(slots)
 
     def count_tokens(self, text: str) -> int:
         """Tokens of raw text for this model's tokenizer."""
@@ -322,8 +322,9 @@ class Model:
         arguments (the chat template given at load or the model's own, its tools, a
         forced call's prefill, the thinking switch or empty thinking block), counted
         without generating (``Completion.usage.prompt_tokens`` of that call)."""
+        from localrun.driver.prompt import assistant_prefill, check_prefill, encode_prompt
         from localrun.driver.reasoning import thinking_prompt
-        from localrun.driver.sequence import encode_prompt, structured_plan
+        from localrun.driver.sequence import structured_plan
 
         structured = prepare(response_format, schema, tools, tool_choice,
                              parallel_tool_calls)
@@ -333,13 +334,16 @@ class Model:
             msgs = self.preset.conversation(msgs)
         chat = self._driver.chat
         with self._driver.exclusive() as session:
-            plan = structured_plan(session, msgs, structured, chat)
+            head, prefix = assistant_prefill(msgs)
+            check_prefill(session, prefix, structured, chat)
+            plan = structured_plan(session, head, structured, chat)
             if chat.reasoning is not None:
-                return len(thinking_prompt(session, chat, msgs, plan, reasoning)[0].tokens)
+                return len(thinking_prompt(session, chat, head, plan,  # type: ignore[arg-type]
+                                           reasoning)[0].tokens)
             if reasoning is not None and reasoning.think:
                 raise refuse(reasoning, "this model does not think (its chat template has "
                              "no thinking block)")
-            return len(encode_prompt(session, msgs, None, plan, None, chat).tokens)
+            return len(encode_prompt(session, head, None, plan, None, chat, prefix).tokens)
 
     def close(self) -> None:
         """Free the engine's memory. Waits for running calls to finish."""
@@ -381,10 +385,15 @@ def load(
     threads: int | None = None,
     allow_unoptimized: bool = False,
     max_concurrency: int | None = None,
+    exact: bool = False,
     quant: str | None = None,
     progress: ProgressCallback | None = None,
     on_plan: Callable[[Plan, Download], None] | None = None,
     chat_template: str | os.PathLike[str] | None = None,
+    on_startup: Callable[[Any], None] | None = None,
+    adapters: Sequence[Adapter | str | os.PathLike[str]] | None = None,
+    speculative: str | None = None,
+    draft_model: str | None = None,
     **engine_options: Any,
 ) -> Model:
     """Load a model and return a :class:`Model`.
@@ -401,7 +410,12 @@ def load(
     host, as ``localrun plan`` shows it). ``allow_unoptimized=True`` lets an engine load
     a format it runs but has no optimized kernels for. ``max_concurrency`` is the most
     sequences the model will run at once (default: as many as its engine batches, see
-    :meth:`Model.limit_concurrency`). Other keywords are engine options
+    :meth:`Model.limit_concurrency`); 2 or more also builds the engine's batcher now
+    (llama.cpp's batch context), so that the first :meth:`Model.batch` does not pay for
+    it. ``exact=True`` trades speed for replies that do not depend on what ran before:
+    greedy replies the same alone or batched, with a warm or cold cache, one seed one
+    sample (the default reuses every cached KV cell and computes in the engine's own
+    precision; README, "Speed"). Other keywords are engine options
     (``localrun.backends.engine_options(backend)`` lists them; others are refused).
 
     A name that is not on disk (``"qwen2.5:0.5b"``, ``"org/repo:Q4_K_M"``) is planned
@@ -413,11 +427,24 @@ def load(
     a ``.jinja`` file), on every engine: localrun then renders each conversation with it
     (as llama-server's ``--chat-template-file``). A template that thinks makes the model
     a thinking model (:attr:`Model.reasoning`).
+
+    ``on_startup`` receives an engine's progress while it starts, where that takes long
+    (a managed vLLM: a minute or more, :class:`localrun.backends.vllm.Startup` reports).
+
+    ``adapters`` loads LoRA adapters with the model (:mod:`localrun.adapters`): paths
+    (``"style.gguf"``, ``"style.gguf:0.5"``, ``"name=style.gguf"``) or
+    :class:`~localrun.adapters.Adapter` (path, scale, name); llama.cpp takes GGUF
+    adapters (several), MLX an mlx-lm adapter folder, vLLM PEFT folders; other engines
+    refuse them. A call's ``adapters=`` then picks another set where the engine switches
+    per request (llama.cpp, vLLM): ``{"name": scale}``, names, ``[]`` for the base model.
+    A preset's adapters load with its model unless ``adapters`` is given.
     """
-    from localrun.backends import canonical_backend, get_backend
-    from localrun.backends.base import LoadRequest
+    from localrun.adapters import normalize
+    from localrun.backends import canonical_backend
     from localrun.naming.presets import lookup
     from localrun.resolve import resolve
+    from localrun.sampling import check_speculative
+    from localrun.speculation import draft_path
 
     if context is not None and (isinstance(context, bool) or not isinstance(context, int)
                                 or context < 16):
@@ -425,39 +452,69 @@ def load(
                             hint="pass a number of tokens >= 16, e.g. context=4096")
     if max_concurrency is not None:
         _check_concurrency(max_concurrency)
+    chosen = normalize(adapters)  # a missing file fails before anything is fetched
+    if not isinstance(exact, bool):
+        raise LocalrunError(f"Invalid exact {exact!r}",
+                            hint="pass exact=True (replies independent of the cache and "
+                                 "the batch) or exact=False (fastest)")
     preset = None
     if backend == "auto" or canonical_backend(backend) != "remote":  # a server's own names
         preset = lookup(model)
     if preset is not None:  # its model, engine and context; the caller's own values win
         model, backend, context, allow_unoptimized = preset.load_args(
             backend, context, allow_unoptimized)
+        if adapters is None:
+            chosen = normalize(preset.adapters)
+        exact = exact or preset.exact
     template = read_template(chat_template) if chat_template is not None else None
+    mode = check_speculative(speculative)
+    # the adapters are checked for the engine and counted in the fit before any download
     target = resolve(model, backend=backend, context=context, quant=quant,
-                     allow_unoptimized=allow_unoptimized, progress=progress, on_plan=on_plan)
-    engine = get_backend(target.backend)
-    session = engine.load(
-        LoadRequest(
-            path=target.path,
-            format=target.format,
-            context=context,
-            # the caller's device, else the one the plan chose for this host
-            device=device or target.device,
-            threads=threads,
-            options=engine_options,
-        )
-    )
-    loaded = Model(session, target.sampling_defaults, chat_template=template,
+                     allow_unoptimized=allow_unoptimized, device=device, progress=progress,
+                     on_plan=on_plan, options=engine_options, adapters=chosen)
+    draft = draft_path(draft_model, target.backend, mode, progress=progress)
+    return open_target(target, threads=threads, max_concurrency=max_concurrency,
+                       chat_template=template, preset=preset, on_startup=on_startup,
+                       adapters=chosen, speculative=mode, draft_model=draft,
+                       exact=exact)
+
+
+def open_target(target: Target, *, threads: int | None = None,
+                max_concurrency: int | None = None, chat_template: str | None = None,
+                preset: Preset | None = None,
+                on_startup: Callable[[Any], None] | None = None,
+                adapters: tuple[Adapter, ...] = (),
+                speculative: str | None = None, draft_model: str | None = None,
+                exact: bool = False) -> Model:
+    """Load a resolved :class:`~localrun.resolve.Target` (its files on disk) on its
+    engine, with its load options: what :func:`load` and the server's manager do once
+    the model is resolved, without resolving it again. ``adapters``: LoRA adapters
+    checked already (:func:`localrun.adapters.normalize` and ``for_engine``)."""
+
+    from localrun.backends import get_backend
+
+    if max_concurrency is not None:
+        _check_concurrency(max_concurrency)
+    request = replace(target.load_request(threads, on_startup), exact=exact)
+    if adapters:
+        request = replace(request, adapters=adapters)
+    # speculative decoding (localrun.speculation)
+    request = replace(request, speculative=speculative, draft_model=draft_model)
+    session = get_backend(target.backend).load(request)
+    loaded = Model(session, target.sampling_defaults, chat_template=chat_template,
                    reasoning=target.reasoning, preset=preset)
     if max_concurrency is not None:
         loaded.limit_concurrency(max_concurrency)
+        if max_concurrency > 1:
+            loaded.max_concurrency  # noqa: B018 - builds the batcher now, not in a batch
     return loaded
 
 
-def _check_concurrency(n: Any) -> int:
+def _check_concurrency(n: Any, what: str = "max_concurrency") -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise LocalrunError(f"Invalid max_concurrency {n!r}",
+        raise LocalrunError(f"Invalid {what} {n!r}",
                             hint="pass the most sequences to run at once, >= 1, e.g. "
-                                 "max_concurrency=4")
+                                 f"{what}=4")
     return n
 
 

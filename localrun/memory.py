@@ -1,10 +1,12 @@
 """Memory estimates: weights + KV cache + overhead, and the largest context that fits.
 
 Pure arithmetic over numbers the caller gathered (file sizes from the Hub, the model's
-shape from GGUF metadata or config.json). No I/O except the small readers at the end,
-which take the shape from a GGUF header (:mod:`localrun.formats.gguf` parses it) or a
-config dict, and the weights' size, parameter count and shape from a model on disk (for
-a plan made without the Hub).
+shape from GGUF metadata or config.json, the engine's own row: :class:`EngineMemory`,
+which each engine states in its facts and :func:`localrun.backends.engine_memory` finds by
+name). No I/O except the small readers at the end, which take the shape from a GGUF
+header (:mod:`localrun.formats.gguf` parses it) or a config dict, and the weights' size,
+parameter count and shape from a model on disk (:func:`local_estimate`: the one way from a
+model's path to its estimate). Imports no engine and not the engine table.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from localrun.backends.spec import OVERHEAD_FIXED, BackendSpec, EngineMemory
 from localrun.formats.gguf import GGUFMetadata
 
 #: Proportional cost: scratch buffers grow with the model.
@@ -32,11 +33,32 @@ DEFAULT_CONTEXT_CAP = 8192
 
 
 MiB = 2**20
+#: Fixed cost on top of the weights: compute buffers, runtime, tokenizer (bytes).
+OVERHEAD_FIXED = 256 * MiB
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What an engine allocates besides its weights, as localrun loads it on a device."""
+
+    kv_element_bytes: int | None  # bytes per K or V element; None: the model's dtype
+    overhead_fixed: int = OVERHEAD_FIXED  # runtime, tokenizer, compute buffers (bytes)
+
+
 #: Engine unknown, or without a memory row: f16 and the full fixed overhead.
 UNKNOWN_ENGINE = EngineMemory(KV_BYTES)
 
 
-def memory_row(spec: BackendSpec | None, device: str | None = None) -> EngineMemory:
+class MemoryRows(Protocol):
+    """An engine's memory facts (``backends.spec.BackendSpec``'s ``memory`` rows)."""
+
+    @property
+    def memory(self) -> Mapping[str, EngineMemory]: ...
+    @property
+    def default_device(self) -> str: ...
+
+
+def memory_row(spec: MemoryRows | None, device: str | None = None) -> EngineMemory:
     """What the engine ``spec`` describes allocates on ``device`` ("cpu", "CPU", "GPU.1",
     "cuda:0", "metal", ...; None: its default device) besides its weights: the row of its
     own facts (``BackendSpec.memory``), else :data:`UNKNOWN_ENGINE`."""
@@ -45,14 +67,6 @@ def memory_row(spec: BackendSpec | None, device: str | None = None) -> EngineMem
     kind = re.split(r"[:.]", device.strip().lower(), maxsplit=1)[0] if device else \
         spec.default_device
     return spec.memory.get(kind) or spec.memory.get("*") or UNKNOWN_ENGINE
-
-
-def engine_memory(backend: str | None, device: str | None = None) -> EngineMemory:
-    """:func:`memory_row` of the engine named ``backend`` (the planner's and the server's
-    way in, by name: the engine table is pure data, each engine's facts.py)."""
-    from localrun.backends import BACKENDS
-
-    return memory_row(BACKENDS.get(backend) if backend is not None else None, device)
 
 
 def kv_element_bytes(engine: EngineMemory, shape: ModelShape | None) -> int:
@@ -103,14 +117,18 @@ class MemoryEstimate:
     overhead_bytes: int
     context: int
     kv_known: bool = True
+    #: LoRA adapters loaded with the model: their files' bytes (localrun.adapters)
+    adapter_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
+        return (self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
+                + self.adapter_bytes)
 
     def breakdown(self) -> str:
         kv = f"KV cache {_gib(self.kv_cache_bytes)}" if self.kv_known else "KV cache unknown"
-        return (f"weights {_gib(self.weights_bytes)} + {kv} + overhead "
+        adapters = f" + adapters {_gib(self.adapter_bytes)}" if self.adapter_bytes else ""
+        return (f"weights {_gib(self.weights_bytes)}{adapters} + {kv} + overhead "
                 f"{_gib(self.overhead_bytes)}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,27 +151,25 @@ def kv_cache_bytes(shape: ModelShape, context: int, kv_bytes: float = KV_BYTES) 
 
 
 def estimate(weights_bytes: int, shape: ModelShape | None, context: int, *,
-             backend: str | None = None, device: str | None = None,
-             engine: EngineMemory | None = None) -> MemoryEstimate:
-    """Bytes to run the model at ``context`` on ``backend`` (on ``device``): the KV cache
-    in the element size that engine allocates there, its overhead (:func:`engine_memory`;
-    an engine sizing itself passes its own row as ``engine``)."""
-    eng = engine if engine is not None else engine_memory(backend, device)
+             engine: EngineMemory = UNKNOWN_ENGINE) -> MemoryEstimate:
+    """Bytes to run the model at ``context`` on the engine whose row is ``engine``
+    (:func:`localrun.backends.engine_memory` by name; an engine sizing itself passes its
+    own): the KV cache in the element size it allocates, its overhead."""
+    eng = engine
     kv = kv_cache_bytes(shape, context, kv_element_bytes(eng, shape)) if shape else 0
     return MemoryEstimate(weights_bytes, kv, overhead_bytes(weights_bytes, eng.overhead_fixed),
                           context, kv_known=shape is not None)
 
 
 def max_context(weights_bytes: int, shape: ModelShape | None, budget_bytes: int,
-                *, limit: int | None = None, backend: str | None = None,
-                device: str | None = None) -> int:
+                *, limit: int | None = None, engine: EngineMemory = UNKNOWN_ENGINE) -> int:
     """Largest context (a multiple of CONTEXT_STEP, at most ``limit``) that fits the budget
-    on ``backend`` (on ``device``), as :func:`estimate` counts it.
+    on the engine whose row is ``engine``, as :func:`estimate` counts it.
 
     0 when not even CONTEXT_STEP tokens fit. Without a shape, the KV cache is unknown:
     the answer is ``limit`` if the weights fit, else 0.
     """
-    eng = engine_memory(backend, device)
+    eng = engine
     free = budget_bytes - weights_bytes - overhead_bytes(weights_bytes, eng.overhead_fixed)
     if free <= 0:
         return 0
@@ -165,6 +181,32 @@ def max_context(weights_bytes: int, shape: ModelShape | None, budget_bytes: int,
     if tokens >= cap:
         return cap
     return int(tokens // CONTEXT_STEP * CONTEXT_STEP)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One model's memory on one engine: at ``context`` (what the engine loads), whether
+    it fits the budget, and the largest context that does."""
+
+    context: int
+    estimate: MemoryEstimate
+    fits: bool
+    max_context: int | None  # None without a budget
+
+
+def fit(weights_bytes: int, shape: ModelShape | None, context: int | None,
+        budget: int | None, *, engine: EngineMemory = UNKNOWN_ENGINE) -> Fit:
+    """The memory fit of ``weights_bytes`` of a model of ``shape`` (None: KV cache
+    unknown, counted as 0) at the context the engines load (:func:`context_window` of the
+    caller's ``context`` and the trained one) within ``budget`` (None: no check), on the
+    engine whose row is ``engine``: the one fit rule of the Hub's variants and of models
+    on disk alike."""
+    trained = shape.trained_context if shape else None
+    ctx = context_window(context, trained)
+    est = estimate(weights_bytes, shape, ctx, engine=engine)
+    max_ctx = (max_context(weights_bytes, shape, budget, limit=trained, engine=engine)
+               if budget is not None else None)
+    return Fit(ctx, est, budget is None or est.total_bytes <= budget, max_ctx)
 
 
 @dataclass(frozen=True)
@@ -239,6 +281,32 @@ def available_ram_bytes() -> int:
     except (ValueError, OSError, AttributeError):
         pass
     return 0
+
+
+#: An optional reserve (:func:`budget`'s ``reserve``) takes at most this share of the room.
+RESERVE_SHARE = 4
+
+
+def budget(available: int | None, *, limit: int | None = None, used: int = 0,
+           freed: int = 0, resident: int = 0, reserve: int | None = None) -> int:
+    """The one memory policy: bytes something new may take now. The server's fit check
+    (a model, with its batcher, beside the loaded ones) and llama.cpp's batcher (its
+    batch context's KV streams) both ask it.
+
+    Under ``limit`` (``serve --max-memory``): the limit less ``used``, the bytes counted
+    as loaded. Else what the OS shows ``available``, plus ``freed`` (what unloading gave
+    back that the OS may not show yet) and ``resident`` (bytes of the new thing in
+    memory already, which the OS no longer shows available); None: not known, no bound.
+    ``reserve``: the room for an optional reserve, which only lets more run at once (a
+    batch context's KV streams): at most ``reserve`` bytes and 1/:data:`RESERVE_SHARE` of
+    the room, so that the rest stays for models and the OS."""
+    if limit is not None:
+        room = limit - used
+    elif available is None:
+        return reserve if reserve is not None else 2**63 - 1
+    else:
+        room = available + freed + resident
+    return room if reserve is None else min(reserve, room // RESERVE_SHARE)
 
 
 # --- reading a model's shape -------------------------------------------------------------
@@ -331,10 +399,15 @@ def gguf_shards(path: Path) -> list[Path]:
 
 
 def local_weights_bytes(path: Path) -> int:
-    """Bytes of a local model's weights: a GGUF file (all its shards), or the weight
+    """Bytes of a local model's weights: a GGUF file (all its shards, and the projector
+    beside it: :func:`~localrun.formats.projector.projector_beside`), or the weight
     files of a model folder (safetensors, ONNX data, OpenVINO .bin), not its other files."""
     if path.is_file():
         files = gguf_shards(path) if path.suffix.lower() == ".gguf" else [path]
+        if path.suffix.lower() == ".gguf":  # a vision model's projector loads with it
+            from localrun.formats.projector import projector_beside
+
+            files += [p for p in (projector_beside(path),) if p is not None]
     else:
         files = [f for f in path.iterdir() if f.is_file() and WEIGHT_FILE.search(f.name)]
     return sum(f.stat().st_size for f in files)
@@ -382,15 +455,32 @@ def local_shape(path: Path) -> tuple[ModelShape | None, str | None]:
     return None, None
 
 
-def local_estimate(path: Path, context: int | None, *, backend: str | None = None,
-                   device: str | None = None) -> MemoryEstimate:
-    """A model on disk at ``context`` (None: the default context rule) on ``backend`` (on
-    ``device``): its weights' bytes (:func:`local_weights_bytes`), its shape
-    (:func:`local_shape`), the context it loads with (:func:`context_window`): the one
-    way from a model's path to its estimate."""
-    shape, _ = local_shape(path)
-    ctx = context_window(context, shape.trained_context if shape else None)
-    return estimate(local_weights_bytes(path), shape, ctx, backend=backend, device=device)
+@dataclass(frozen=True)
+class LocalSize:
+    """What a model on disk weighs: its weights' bytes, its shape (None: unknown, so is
+    its KV cache) and the file the shape was read from."""
+
+    weights_bytes: int
+    shape: ModelShape | None
+    shape_from: str | None
+
+
+def local_size(path: Path) -> LocalSize:
+    """A model on disk: its weights' bytes (:func:`local_weights_bytes`) and shape
+    (:func:`local_shape`). Raises OSError when its files cannot be read."""
+    shape, where = local_shape(path)
+    return LocalSize(local_weights_bytes(path), shape, where)
+
+
+def local_estimate(path: Path, context: int | None, *, engine: EngineMemory = UNKNOWN_ENGINE,
+                   size: LocalSize | None = None) -> MemoryEstimate:
+    """A model on disk at ``context`` (None: the default context rule) on the engine whose
+    row is ``engine``: its :func:`local_size` (``size``: read already), the context it
+    loads with (:func:`context_window`): the one way from a model's path to its estimate.
+    Raises OSError when its files cannot be read."""
+    s = size if size is not None else local_size(path)
+    ctx = context_window(context, s.shape.trained_context if s.shape else None)
+    return estimate(s.weights_bytes, s.shape, ctx, engine=engine)
 
 
 def weights_at(parameters: float, bits_per_weight: float) -> int:

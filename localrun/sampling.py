@@ -19,7 +19,7 @@ from typing import Any
 
 from localrun.errors import InvalidSamplingError
 from localrun.structured.constraint import Constraint
-from localrun.types import MAX_TOP_LOGPROBS, Sampling
+from localrun.types import MAX_TOP_LOGPROBS, SPECULATIVE_MODES, Sampling, SpeculativeMode
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,11 @@ class ResolvedSampling:
     logprobs: int | None = None
     #: the prompt's tokens with their log probabilities (raw prompts; see types.Sampling)
     echo: bool = False
+    #: the LoRA adapters the reply runs under, (name, scale) in load order; set by the
+    #: driver (``localrun.adapters.choose``); None: the load-time set
+    adapters: tuple[tuple[str, float], ...] | None = None
+    #: this call's speculative decoding; None: the model's own setting
+    speculative: SpeculativeMode | None = None
 
     @property
     def greedy(self) -> bool:
@@ -62,9 +67,13 @@ FALLBACK = ResolvedSampling(
 #: What a reply reports beyond its text (log probabilities), set per call like the
 #: sampling options but no command-line flag: the CLI prints text.
 LOGPROB_OPTIONS: tuple[str, ...] = ("logprobs", "top_logprobs", "echo")
+#: Per-call choices that are no sampling value (no preset or command-line flag sets them;
+#: the CLI sets speculative decoding at load: --speculative).
+CALL_OPTIONS: tuple[str, ...] = ("adapters", "speculative")
 SAMPLING_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(Sampling)
-                                          if f.name not in LOGPROB_OPTIONS)
-_OPTIONS = (*SAMPLING_OPTIONS, *LOGPROB_OPTIONS)
+                                          if f.name not in (*LOGPROB_OPTIONS, *CALL_OPTIONS))
+_OPTIONS = (*SAMPLING_OPTIONS, *LOGPROB_OPTIONS, *CALL_OPTIONS)
+SPECULATIVE_ALLOWED = "one of " + ", ".join(repr(m) for m in SPECULATIVE_MODES)
 
 MAX_SEED = 2**32 - 1
 MAX_TOKENS_ALLOWED = "an integer >= 1 (0 only with echo=True: score the prompt alone)"
@@ -93,6 +102,10 @@ def _check(name: str, value: Any) -> Any:
         if v < 0:
             raise InvalidSamplingError(name, value, MAX_TOKENS_ALLOWED)
         return v  # 0 only with echo=True: make_sampling checks the pair
+    if name == "adapters":
+        from localrun.adapters import read_choice
+
+        return read_choice(value)
     if name in ("logprobs", "echo"):
         if not isinstance(value, bool):
             raise InvalidSamplingError(name, value, "True or False")
@@ -133,6 +146,8 @@ def _check(name: str, value: Any) -> Any:
         if not 0 <= s <= MAX_SEED:
             raise InvalidSamplingError(name, value, f"an integer from 0 to {MAX_SEED}")
         return s
+    if name == "speculative":
+        return check_speculative(value)
     if name == "stop":
         items: Iterable[object] = [value] if isinstance(value, str) else value
         try:
@@ -143,6 +158,18 @@ def _check(name: str, value: Any) -> Any:
             raise InvalidSamplingError(name, value, "non-empty strings")
         return stops
     raise InvalidSamplingError(name, value, "one of " + ", ".join(_OPTIONS))
+
+
+def check_speculative(value: object) -> SpeculativeMode | None:
+    """``speculative=`` as given at load or per call: one of the modes (None: unset);
+    anything else raises InvalidSamplingError listing them."""
+    if value is None:
+        return None
+    word = value.strip().lower().replace("_", "-") if isinstance(value, str) else None
+    for mode in SPECULATIVE_MODES:
+        if word == mode:
+            return mode
+    raise InvalidSamplingError("speculative", value, SPECULATIVE_ALLOWED)
 
 
 def make_sampling(base: Sampling | None = None, **options: Any) -> Sampling:
@@ -179,7 +206,7 @@ def resolve(request: Sampling, model_defaults: Mapping[str, Any] | None = None) 
     defaults = model_defaults or {}
     out: dict[str, Any] = {}
     for f in fields(ResolvedSampling):
-        if f.name in ("constraint", "logprobs", "echo"):
+        if f.name in ("constraint", "logprobs", "echo", "adapters", "speculative"):
             continue
         value = getattr(request, f.name)
         if value is None or (f.name == "stop" and not value):
@@ -189,4 +216,4 @@ def resolve(request: Sampling, model_defaults: Mapping[str, Any] | None = None) 
         out[f.name] = value
     top = request.top_logprobs or 0
     return ResolvedSampling(**out, logprobs=top if request.logprobs or top else None,
-                            echo=bool(request.echo))
+                            echo=bool(request.echo), speculative=request.speculative)

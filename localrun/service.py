@@ -19,18 +19,17 @@ file and restarts the service. The texts are made by pure functions
 
 from __future__ import annotations
 
-import contextlib
 import os
 import plistlib
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from localrun.errors import LocalrunError
+from localrun.sharedfile import write_atomic
 
 Platform = Literal["systemd", "launchd"]
 UNIT = "localrun.service"
@@ -179,16 +178,7 @@ def _write_if_changed(path: Path, data: bytes, mode: int) -> bool:
         pass
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-        try:
-            os.fchmod(fd, mode)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomic(path, data, mode=mode)
     except OSError as e:
         raise LocalrunError(f"Cannot write {path}: {e.strerror or e}",
                             hint=f"check that {path.parent} is writable") from None

@@ -119,6 +119,11 @@ def normalize_messages(messages: object) -> list[Message]:
         if isinstance(m, dict) and m.get("role") == "tool" and \
                 isinstance(content, (dict, list)):
             content = json.dumps(content, ensure_ascii=False)  # a tool result as data
+        images = None
+        if isinstance(m, dict) and (isinstance(content, list) or m.get("images")):
+            from localrun.images import normalized_content  # localrun reads each image
+
+            content, images = normalized_content(i, content, m.get("images"))
         if (
             not isinstance(m, dict)
             or not isinstance(m.get("role"), str)
@@ -132,6 +137,8 @@ def normalize_messages(messages: object) -> list[Message]:
         msg: Message = {"role": m["role"], "content": content}  # type: ignore[typeddict-item]
         if calls:
             msg["tool_calls"] = _tool_calls(i, calls)
+        if images:
+            msg["images"] = images
         for key, what in _STRING_KEYS.items():
             if key in m and not (key == "reasoning_content" and m[key] is None):
                 if not isinstance(m[key], str):

@@ -7,11 +7,17 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypedDict
 
+from localrun.adapters import Adapter
 from localrun.structured.calls import ToolCall, ToolCallDelta
 
 #: "tool_calls": the reply is one or more tool calls (``Completion.tool_calls``).
 FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 Role = Literal["system", "user", "assistant", "tool"]
+#: Speculative decoding (``load(speculative=...)``, or per call): "auto" keeps it on only
+#: where it measurably wins; "prompt-lookup" drafts from the prompt's n-grams; "draft"
+#: from a draft model (``draft_model=``); "off" never.
+SpeculativeMode = Literal["off", "auto", "prompt-lookup", "draft"]
+SPECULATIVE_MODES: tuple[SpeculativeMode, ...] = ("off", "auto", "prompt-lookup", "draft")
 
 
 class _MessageRequired(TypedDict):
@@ -29,6 +35,10 @@ class Message(_MessageRequired, total=False):
     name: str
     #: an assistant turn's thinking (``Completion.reasoning``), for templates that show it
     reasoning_content: str
+    #: images (bytes, a local path, a data: URI, a :class:`localrun.images.Image`), as
+    #: Ollama sends them; normalized: the decoded images, in the order of the markers in
+    #: ``content`` (content parts ``{"type": "image_url"}`` / ``{"type": "image"}`` too)
+    images: list[Any]
 
 
 #: Most alternatives ``top_logprobs`` may ask for per token (OpenAI's limit).
@@ -150,12 +160,17 @@ class Timings:
     ``ttft`` is wall-clock time from the call to the first token of text;
     ``prefill_tps`` and ``decode_tps`` come from the engine's own counters where it
     reports them, else from wall-clock times; ``total`` is the whole call.
+    ``drafted_tokens``/``accepted_tokens``: speculative decoding's drafts and the ones kept.
     """
 
     ttft: float = 0.0
     prefill_tps: float = 0.0
     decode_tps: float = 0.0
     total: float = 0.0
+    #: speculative decoding: tokens drafted, and how many of them the model kept (0, 0:
+    #: it did not speculate)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -246,6 +261,11 @@ class ModelInfo:
     architecture: str | None = None
     name: str | None = None
     device: str | None = None  # where it runs: "cpu", "gpu", "CPU", "GPU.1", "cuda:0", …
+    #: the LoRA adapters loaded with it (name, path, load-time scale), in load order
+    adapters: tuple[Adapter, ...] = ()
+    #: loaded with ``exact=True``: greedy replies the same alone or batched, with a warm
+    #: or cold cache; False: the engine's fastest (README, "Speed")
+    exact: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -279,6 +299,11 @@ class Sampling:
     #: raw prompts only: the prompt's tokens with their log probabilities
     #: (``Completion.prompt_logprobs``); with ``max_tokens=0`` nothing is generated
     echo: bool | None = None
+    #: the LoRA adapters this reply runs under, instead of the load-time set
+    #: (:mod:`localrun.adapters`: names, indices, (name, scale) pairs; () the base model)
+    adapters: tuple[tuple[str | int, float | None], ...] | None = None
+    #: this call's speculative decoding (:data:`SpeculativeMode`); None: the model's
+    speculative: SpeculativeMode | None = None
 
 
 class CancelToken:

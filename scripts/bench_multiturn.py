@@ -24,6 +24,21 @@ KV rows then: localrun/backends/onnx/session.py), as a user who paused would see
     .venv/bin/python scripts/bench_multiturn.py --backends onnx --reply 32
     .venv/bin/python scripts/bench_multiturn.py --backends onnx --think 1
     .venv/bin/python scripts/bench_multiturn.py --json docs/results/multiturn.json
+    .venv/bin/python scripts/bench_multiturn.py --exact     # load(exact=True): issue 30
+    .venv/bin/python scripts/bench_multiturn.py --backends llama.cpp --system-tokens 0 \
+        --runs 5 --engine --flash-attn off    # medians of 5; llama-cpp-python alone too
+
+``--runs N`` asks the conversation N times and prints each turn's median TTFT (one run's
+turns swing by 2x on a busy machine). ``--engine`` (llama.cpp) also times llama-cpp-python
+alone on the same tokens: a context holding the cells localrun held before turns 2 and 6,
+``Llama.eval`` of only the tokens localrun fed, then one sample (medians of 5 a run,
+turns alternating): the engine's own turn 6 / turn 2, apart from localrun's costs.
+``--flash-attn off`` loads llama.cpp without flash attention (docs/results/multiturn_fast.md:
+its CPU kernel for under 64 new tokens costs more the more cells they attend to).
+
+Models load in localrun's default mode (fast: every cached KV cell reused, the engine's
+own precision) unless ``--exact``; scripts/bench_multiturn_server.py asks the same
+conversation over HTTP of ``localrun serve`` and llama-server.
 
 Models: the fixtures of scripts/make_test_models.py (llama.cpp: the Q8_0 GGUF).
 Not a test: numbers depend on the machine and what else runs on it.
@@ -34,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -66,17 +82,62 @@ def ask(model: Any, messages: list[dict[str, str]], max_tokens: int) -> tuple[st
     return c.text, c.usage.prompt_tokens, c.timings.ttft
 
 
-def multi_turn(model: Any, reply: int, think: float, system: str
+def multi_turn(model: Any, reply: int, think: float, system: str,
+               cells: list[tuple[list[int], list[int]]] | None = None
                ) -> list[tuple[int, float]]:
+    """The conversation's "prompt tokens, TTFT" per turn; ``cells`` (llama.cpp): gets
+    each turn's prompt tokens and the cells the context held before it."""
     messages = [{"role": "system", "content": system}]
     rows = []
     for turn in TURNS:
         time.sleep(think)  # after the warm-up's reply, then after each turn's
         messages.append({"role": "user", "content": turn})
+        if cells is not None:
+            session = model._session
+            llm = session.engine.llm
+            cells.append((list(session.encode_chat(messages).tokens),
+                          llm.input_ids[:llm.n_tokens].tolist()))
         text, n, ttft = ask(model, messages, reply)
         messages.append({"role": "assistant", "content": text})
         rows.append((n, ttft))
     return rows
+
+
+def engine_turns(model: Any, cells: list[tuple[list[int], list[int]]], reps: int = 5
+                 ) -> tuple[tuple[int, float], tuple[int, float]]:
+    """llama-cpp-python alone, loaded as localrun loaded it: for turns 2 and 6, a context
+    holding the cells localrun kept, ``Llama.eval`` of the tokens it fed, one sample;
+    "tokens fed, median seconds" of ``reps`` tries, the two turns alternating."""
+    import llama_cpp
+
+    from localrun.backends.llama_cpp.reuse import fast_prefix
+    from localrun.backends.prefix import common_prefix
+
+    llm = model._session.engine.llm
+    params = llm.context_params
+    flash = params.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    setups = []
+    for prompt, held in (cells[1], cells[5]):
+        raw = llama_cpp.Llama(model_path=llm.model_path, n_ctx=llm.n_ctx(),
+                              n_threads=params.n_threads,
+                              n_threads_batch=params.n_threads_batch, flash_attn=flash,
+                              verbose=False)
+        keep = fast_prefix(len(prompt), common_prefix(held, prompt))
+        raw.eval(prompt[:keep])
+        setups.append((raw, prompt, keep, []))
+    for _ in range(reps):
+        for raw, prompt, keep, times in setups:
+            raw._ctx.kv_cache_seq_rm(-1, keep, -1)
+            raw.n_tokens = keep
+            t = time.perf_counter()
+            raw.eval(prompt[keep:])
+            raw.sample(temp=0.0)
+            times.append(time.perf_counter() - t)
+    out = []
+    for raw, prompt, keep, times in setups:
+        out.append((len(prompt) - keep, statistics.median(times)))
+        raw.close()
+    return out[0], out[1]
 
 
 def shared_system(model: Any, n_tokens: int, think: float) -> tuple[int, float, float]:
@@ -92,8 +153,9 @@ def shared_system(model: Any, n_tokens: int, think: float) -> tuple[int, float, 
     return n, first, second
 
 
-def bench(backend: str, reply: int, system_tokens: int, think: float, system: str
-          ) -> dict[str, Any] | None:
+def bench(backend: str, reply: int, system_tokens: int, think: float, system: str,
+          exact: bool = False, runs: int = 1, engine: bool = False,
+          flash_attn: str = "auto") -> dict[str, Any] | None:
     import localrun
     from localrun.backends import is_installed
 
@@ -104,24 +166,54 @@ def bench(backend: str, reply: int, system_tokens: int, think: float, system: st
     if path is None:
         print(f"{backend:10} no fixture model (run python scripts/make_test_models.py)")
         return None
+    llama = backend == "llama.cpp"
+    options: dict[str, Any] = {"flash_attn": False} if llama and flash_attn == "off" else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = localrun.load(path, backend=backend, context=4096)
+        model = localrun.load(path, backend=backend, context=4096, exact=exact, **options)
+    load = [os.getloadavg()[0]]
+    every: list[list[tuple[int, float]]] = []
+    raw: list[tuple[tuple[int, float], tuple[int, float]]] = []
     with model:
         ask(model, [{"role": "user", "content": "Hello."}], 4)  # warm-up
-        turns = multi_turn(model, reply, think, system)
-        n, first, second = shared_system(model, system_tokens, think)
-    cells = " | ".join(f"{p} : {t * 1000:.0f} ms" for p, t in turns)
+        for _ in range(runs):
+            cells: list[tuple[list[int], list[int]]] | None = \
+                [] if llama and engine and not exact else None  # (exact keeps fewer)
+            every.append(multi_turn(model, reply, think, system, cells))
+            if cells:
+                raw.append(engine_turns(model, cells))
+        load.append(os.getloadavg()[0])
+        n, first, second = (shared_system(model, system_tokens, think) if system_tokens
+                            else (0, 0.0, 0.0))
+    turns = [(every[0][i][0], statistics.median(r[i][1] for r in every))
+             for i in range(len(TURNS))]
+    cells_text = " | ".join(f"{p} : {t * 1000:.0f} ms" for p, t in turns)
     ratio = turns[-1][1] / turns[1][1] if turns[1][1] else float("inf")
-    print(f"| {backend} {Path(path).name} | {cells} | {ratio:.2f} |", flush=True)
-    print(f"{backend:10} shared {n}-token system prompt: first {first * 1000:.0f} ms, "
-          f"second {second * 1000:.0f} ms ({second / first:.0%})", flush=True)
-    return {"backend": backend, "model": Path(path).name, "reply": reply, "think": think,
-            "system": system,
-            "turns": [{"prompt_tokens": p, "ttft": t} for p, t in turns],
-            "turn6_over_turn2": ratio,
-            "shared_system": {"prompt_tokens": n, "first_ttft": first, "second_ttft": second,
-                              "ratio": second / first}}
+    name = f"{backend} {Path(path).name}" + (" (flash_attn off)" if options else "")
+    print(f"| {name} | {cells_text} | {ratio:.2f} |", flush=True)
+    print(f"{backend:10} load average {load[0]:.1f} at the start, {load[1]:.1f} at the end"
+          + (f"; medians of {runs} runs" if runs > 1 else ""), flush=True)
+    result: dict[str, Any] = {
+        "backend": backend, "model": Path(path).name, "reply": reply, "think": think,
+        "exact": exact, "system": system, "runs": runs, "load": load, **options,
+        "turns": [{"prompt_tokens": p, "ttft": t} for p, t in turns],
+        "turn6_over_turn2": ratio}
+    if raw:
+        two = statistics.median(r[0][1] for r in raw)
+        six = statistics.median(r[1][1] for r in raw)
+        print(f"{backend:10} llama-cpp-python alone, the same tokens: turn 2 {raw[0][0][0]} "
+              f"fed : {two * 1000:.0f} ms, turn 6 {raw[0][1][0]} fed : {six * 1000:.0f} ms, "
+              f"turn 6 / turn 2 {six / two:.2f}", flush=True)
+        result["engine"] = {"turn2": {"fed": raw[0][0][0], "seconds": two},
+                            "turn6": {"fed": raw[0][1][0], "seconds": six},
+                            "turn6_over_turn2": six / two}
+    if system_tokens:
+        print(f"{backend:10} shared {n}-token system prompt: first {first * 1000:.0f} ms, "
+              f"second {second * 1000:.0f} ms ({second / first:.0%})", flush=True)
+        result["shared_system"] = {"prompt_tokens": n, "first_ttft": first,
+                                   "second_ttft": second,
+                                   "ratio": second / first if first else None}
+    return result
 
 
 def main() -> None:
@@ -131,20 +223,29 @@ def main() -> None:
     ap.add_argument("--system", default=SYSTEM,
                     help=f"the multi-turn chat's system prompt (default: {SYSTEM!r})")
     ap.add_argument("--system-tokens", type=int, default=1500,
-                    help="the shared system prompt's length (second measurement)")
+                    help="the shared system prompt's length (second measurement; 0: skip it)")
     ap.add_argument("--think", type=float, default=0.0, metavar="SECONDS",
                     help="pause between a reply and the next call (a user reading it, an "
                     "agent running a tool; default 0: back to back); TTFT then excludes "
                     "work localrun does during the pause")
+    ap.add_argument("--exact", action="store_true", help="load with exact=True")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="ask the conversation this many times; each turn's median TTFT")
+    ap.add_argument("--engine", action="store_true",
+                    help="llama.cpp: also time llama-cpp-python alone on the same tokens")
+    ap.add_argument("--flash-attn", choices=("auto", "off"), default="auto",
+                    help="llama.cpp's flash attention (default: auto, as llama-server)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f}; {args.reply} greedy tokens a reply; "
-          f"{args.think:g} s between a reply and the next call")
+          f"{args.think:g} s between a reply and the next call; "
+          f"{'exact' if args.exact else 'default (fast)'} mode")
     print("| engine | " + " | ".join(f"turn {i + 1}" for i in range(len(TURNS)))
           + " | turn 6 / turn 2 |")
     print("|---" * (len(TURNS) + 2) + "|")
     results = [r for b in args.backends
-               if (r := bench(b, args.reply, args.system_tokens, args.think, args.system))]
+               if (r := bench(b, args.reply, args.system_tokens, args.think, args.system,
+                              args.exact, args.runs, args.engine, args.flash_attn))]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
 

@@ -8,6 +8,7 @@ asked in a child process). Built from it:
     gguf-q4_1      the source file itself (not copied)
     hf             HF safetensors folder (transformers, GGUF dequantized to fp32)
     gguf-q8_0      llama.cpp's convert_hf_to_gguf.py --outtype q8_0, from the hf folder
+    gguf-f32       the same, --outtype f32 (speculative decoding's target, issue 30)
     mlx-4bit       mlx_lm.convert(quantize=True, q_bits=4, q_group_size=64), from hf
     openvino-int4  OpenVINO GenAI's own GGUF -> IR export (Q4_1 weights stay u4), with
                    the block minimums its reader rounds put back exactly
@@ -107,12 +108,12 @@ FIXTURES_EXTRA = "fixtures"
 #: Build order; each format after the ones it needs.
 FORMATS: tuple[str, ...] = (
     "gguf-q4_1", "hf", "openvino-int4", "mlx-4bit", "onnx-int4", "gguf-q8_0",
-    "minilm-gguf", "minilm-openvino", *extra.FORMATS,
+    "minilm-gguf", "minilm-openvino", "gguf-f32", *extra.FORMATS,
 )
 NEEDS: dict[str, tuple[str, ...]] = {
     "gguf-q4_1": (), "hf": (), "openvino-int4": (),
     "mlx-4bit": ("hf",), "onnx-int4": ("hf",), "gguf-q8_0": ("hf",),
-    "minilm-gguf": (), "minilm-openvino": (),
+    "minilm-gguf": (), "minilm-openvino": (), "gguf-f32": ("hf",),
     **{f: needs for f, (needs, _) in extra.FORMATS.items()},
 }
 #: Files a finished model folder must hold (a quick check, no engine needed).
@@ -128,6 +129,10 @@ MARKERS: dict[str, tuple[str, ...]] = {
     **{f: markers for f, (_, markers) in extra.FORMATS.items()},
 }
 Q8_FILE = f"{MODEL_NAME}.Q8_0.gguf"
+#: the unquantized GGUF (speculative decoding's target: a one-token step costs most there)
+F32_FILE = f"{MODEL_NAME}.F32.gguf"
+#: each GGUF the converter writes from the hf folder: its file and --outtype
+CONVERTED = {"gguf-q8_0": (Q8_FILE, "q8_0"), "gguf-f32": (F32_FILE, "f32")}
 KEY_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
@@ -239,8 +244,8 @@ def write_atomic(path: Path, text: str) -> None:
 def model_path(key_dir: Path, fmt: str, source: Path) -> Path:
     if fmt == "gguf-q4_1":
         return source
-    if fmt == "gguf-q8_0":
-        return key_dir / fmt / Q8_FILE
+    if fmt in CONVERTED:
+        return key_dir / fmt / CONVERTED[fmt][0]
     if fmt == "minilm-gguf":
         return key_dir / fmt / EMBED_GGUF
     if fmt in extra.LORA_GGUF:
@@ -457,11 +462,12 @@ def build_one(fmt: str, key_dir: Path, source: Path, py: Path, root: Path) -> No
                       "generation_config.json", "chat_template.jinja"):
                 if (hf / f).is_file() and not (out / f).exists():
                     shutil.copy2(hf / f, out / f)
-        elif fmt == "gguf-q8_0":
+        elif fmt in CONVERTED:
             script = ensure_llama_cpp_src(root, py)
             out.mkdir()
-            run([str(py), str(script), str(hf), "--outtype", "q8_0", "--outfile",
-                 str(out / Q8_FILE), "--model-name", MODEL_NAME], env=offline_env())
+            name, outtype = CONVERTED[fmt]
+            run([str(py), str(script), str(hf), "--outtype", outtype, "--outfile",
+                 str(out / name), "--model-name", MODEL_NAME], env=offline_env())
         elif fmt == "minilm-gguf":
             script = ensure_llama_cpp_src(root, py)
             out.mkdir()
@@ -479,8 +485,8 @@ def build_one(fmt: str, key_dir: Path, source: Path, py: Path, root: Path) -> No
             _portable_tokenizer_config(out, (hf / "chat_template.jinja").read_text("utf-8"))
         if fmt in extra.FORMATS:
             ok = all((out / m).is_file() for m in MARKERS[fmt])
-        elif fmt.startswith("gguf-"):
-            ok = (out / Q8_FILE).is_file()
+        elif fmt in CONVERTED:
+            ok = (out / CONVERTED[fmt][0]).is_file()
         elif fmt == "minilm-gguf":
             ok = (out / EMBED_GGUF).is_file()
         else:

@@ -44,7 +44,8 @@ def llama_model(default_gguf: Path) -> Iterator[object]:
         pytest.skip("llama-cpp-python is not installed (pip install -e '.[llama-cpp]')")
     import localrun
 
-    with localrun.load(str(default_gguf), backend="llama.cpp", context=2048) as m:
+    with localrun.load(str(default_gguf), backend="llama.cpp", context=2048,
+                       exact=True) as m:
         yield m
 
 

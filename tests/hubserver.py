@@ -754,12 +754,12 @@ def standard_hub() -> FakeHub:
     official["README.md"] = _text("# GGUF")
     hub.add(FakeRepo(f"{BASE}-GGUF", {"main": official},
                      tags=["gguf", "base_model:" + BASE, quantized], downloads=500))
-    # bartowski: other naming, with imatrix and mmproj files that must be ignored.
+    # bartowski: other naming, with an imatrix file that must be ignored (a projector:
+    # tests/test_hub.py::test_mmproj_and_imatrix_ignored adds one).
     bart = {f"Qwen2.5-0.5B-Instruct-{q}.gguf":
             FakeFile(gguf_bytes(quant=q, pad=int(QUANT_BPW[q] * 1000) + 7), lfs=True)
             for q in ("Q4_K_M", "Q6_K", "Q8_0")}
     bart["Qwen2.5-0.5B-Instruct.imatrix"] = _blob(2000, 3)
-    bart["mmproj-Qwen2.5-0.5B-Instruct-f16.gguf"] = FakeFile(gguf_bytes(quant="F16", pad=50))
     hub.add(FakeRepo("bartowski/Qwen2.5-0.5B-Instruct-GGUF", {"main": bart},
                      tags=["gguf", quantized], downloads=900))
     # mlx-community 4-bit and 8-bit.

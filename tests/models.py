@@ -32,7 +32,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "make_test_models.py"
 FORMATS = ("gguf-q4_1", "gguf-q8_0", "hf", "mlx-4bit", "openvino-int4", "onnx-int4",
-           "minilm-gguf", "minilm-openvino",
+           "minilm-gguf", "minilm-openvino", "gguf-f32",
            "lora-peft", "lora-peft-b", "lora-gguf", "lora-gguf-b", "lora-mlx",
            "vl-hf", "vl-gguf", "vl-openvino")
 BUILD_HINT = "run python scripts/make_test_models.py"

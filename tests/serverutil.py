@@ -53,7 +53,7 @@ def server_fixtures(config: ServerConfig) -> tuple[Any, Any]:
         if not HAVE_LLAMA:
             pytest.skip("llama-cpp-python is not installed (pip install -e '.[llama-cpp]')")
         with localrun.load(str(test_model("gguf-q4_1")), backend="llama.cpp", context=2048,
-                           threads=1) as m:
+                           threads=1, exact=True) as m:
             m.complete("1, 2, 3,", max_tokens=2, temperature=0)  # first touch of the weights
             yield m
 
@@ -92,7 +92,7 @@ def serve(config: ServerConfig | None = None, *, manager: ModelManager | None = 
     config = replace(config, host="127.0.0.1", port=sock.getsockname()[1])
     manager = manager or ModelManager(config, Metrics())
     for name, model in (preload or {}).items():
-        manager._register(name, "chat", None, _Borrowed(model), 0.0, pinned=True, size=None)
+        manager._register(name, "chat", None, _Borrowed(model), 0.0, pinned=True)
     app = create_app(config, manager=manager)
     server = make_server(app, config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,

@@ -77,3 +77,24 @@ def test_contributor_docs_point_inside_the_repository() -> None:
             assert path.is_relative_to(ROOT) and path.exists(), \
                 f"{doc.relative_to(ROOT)} points at {target}, not a file of this repository"
     assert "](../CONTRIBUTING.md)" in DOC.read_text(encoding="utf-8")
+
+
+def test_each_engine_is_one_folder_and_the_places_an_engine_touches_are_listed() -> None:
+    """Issue 29: per engine, the doc names the one folder that holds it (every module the
+    engine table names lives there), and "Adding an engine" lists the places besides."""
+    from localrun.backends import BACKENDS
+
+    text = DOC.read_text(encoding="utf-8")
+    for name, spec in BACKENDS.items():
+        modules = [m for m in (spec.module, spec.embedder) if m]
+        folders = {m.split(".")[2] for m in modules}
+        assert all(m.startswith("localrun.backends.") for m in modules), name
+        assert len(folders) == 1, f"{name} lives in several folders: {folders}"
+        (folder,) = folders
+        assert (PACKAGE / "backends" / folder / "facts.py").is_file(), name
+        assert f"\n- `{folder}/` — " in text, f"docs/architecture.md names no folder for {name}"
+    adding = text[text.index("## Adding an engine"):]
+    for place in ("backends/<engine>/facts.py", "backends/<engine>/session.py",
+                  "spec.BackendName", "ENGINES", "pyproject.toml", "planning/selection.py",
+                  "planning/hosts.py", "DEVICE_KINDS"):
+        assert place in adding, f"'Adding an engine' does not name {place}"

@@ -148,15 +148,17 @@ def test_the_selection_rules_name_only_known_engines() -> None:
 
 
 def test_each_engine_states_its_memory() -> None:
-    """Each memory row is the engine's own fact, read by the memory model by name."""
+    """Each memory row is the engine's own fact, found by name for the memory model
+    (which imports no engine table: the row is passed in)."""
     from localrun import memory
+    from localrun.backends import engine_memory
 
     for name, spec in BACKENDS.items():
         assert set(spec.memory) <= {"cpu", "*"}, name
         assert spec.default_device in ("cpu", "*"), name
         for kind, row in spec.memory.items():
-            assert memory.engine_memory(name, kind if kind != "*" else "cuda:0") is row
-    assert memory.engine_memory("no-such-engine") is memory.UNKNOWN_ENGINE
+            assert engine_memory(name, kind if kind != "*" else "cuda:0") is row
+    assert engine_memory("no-such-engine") is memory.UNKNOWN_ENGINE
 
 
 def test_install_hints_come_from_the_spec() -> None:

@@ -222,7 +222,7 @@ def llama_slots(default_gguf: Any) -> Iterator[list[Session]]:
     """More llama.cpp sessions of the embedded model, loaded as llama_model is."""
     import localrun
 
-    models = [localrun.load(str(default_gguf), backend="llama.cpp", context=2048)
+    models = [localrun.load(str(default_gguf), backend="llama.cpp", context=2048, exact=True)
               for _ in range(SLOTS - 1)]
     try:
         yield [m._session for m in models]
@@ -387,7 +387,7 @@ def openvino_model() -> Iterator[Any]:
     path = test_model("openvino-int4")
     import localrun
 
-    with localrun.load(str(path), backend="openvino") as m:
+    with localrun.load(str(path), backend="openvino", exact=True) as m:
         yield m
 
 
@@ -433,8 +433,8 @@ ANSWERS = (("What is 2+2?", ("4", "four")), ("What is the opposite of hot?", ("c
 
 
 @requires_openvino
-def test_openvino_batched_at_default_precision(openvino_model: Any) -> None:
-    """At localrun's default precision (f32 on the CPU: in bf16 batching changed greedy
+def test_openvino_batched_exact(openvino_model: Any) -> None:
+    """With exact=True (f32 on the CPU: in bf16, the default, batching changed greedy
     replies, see openvino_f32) replies stay right, and the same batch gives the same
     replies again, the second time from the prefix cache. The pipeline keeps keys and
     values in the compute precision, not the engine's u8 default."""

@@ -307,10 +307,13 @@ def test_json_schema_is_documented(tiny_report: BenchReport) -> None:
     from dataclasses import fields
 
     from localrun.bench import Skipped
+    from localrun.bench.report import ImageResult
 
     keys = _keys(tiny_report.to_dict())
-    # Item fields of lists that are empty on this host (no GPU, nothing skipped):
+    # Item fields of lists that are empty on this host (no GPU, nothing skipped) or in
+    # this run (no --image):
     keys |= {f.name for f in fields(Skipped)} | {"name", "vendor", "memory_total_bytes"}
+    keys |= {f.name for f in fields(ImageResult)}
     documented = _documented_fields()
     assert keys - documented == set(), "fields missing from docs/bench.md"
     assert documented - keys == set(), "docs/bench.md documents fields the report lacks"

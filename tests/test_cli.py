@@ -115,7 +115,8 @@ def test_run_json(clean_env: dict[str, str]) -> None:
     out = json.loads(r.stdout)
     assert out["finish_reason"] == "stop"
     assert out["usage"]["prompt_tokens"] > 0 and out["usage"]["completion_tokens"] > 0
-    assert set(out["timings"]) == {"ttft", "prefill_tps", "decode_tps", "total"}
+    assert set(out["timings"]) == {"ttft", "prefill_tps", "decode_tps", "total",
+                                   "drafted_tokens", "accepted_tokens"}
     assert out["info"]["backend"] == "llama.cpp" and out["info"]["quantization"] == "Q4_1"
 
 

@@ -28,12 +28,16 @@ SAME_NAME_OTHER_FLAG = {
     "--api-key": "serve: the key clients must send; run/chat/generate: the key sent to "
     "--base-url's server (each has its own environment variable)",
     "--concurrency": "generate: prompts in flight (-j N); bench: the levels to measure (1,4,8)",
+    "--speculative": "bench: the modes to compare (off,auto); elsewhere: the load's mode",
     "--host": "serve: the address to listen on; ps/stop: the running server's address",
     "--port": "serve: the port to listen on (-p); ps/stop: the running server's port",
+    "--image": "run: an image sent with the prompt (repeats); bench: the one image whose "
+    "cost is measured",
 }
 #: (command, flag) a command takes alone from a group, beside flags of its own.
 ALONE = {("pull", "context"),  # pull's --backend is its own (default: auto's pick)
-         ("create", "system")}  # a preset's system prompt; create makes no reply
+         ("create", "system"),  # a preset's system prompt; create makes no reply
+         ("bench", "exact")}  # bench's other engine flags are its own (--backend all)
 
 
 def _commands() -> dict[str, Any]:

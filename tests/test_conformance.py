@@ -73,7 +73,7 @@ def case(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, Path, Any]]
     backend, fixture = request.param
     _skip_unless_installed(backend)
     path = test_model(fixture)
-    with localrun.load(str(path), backend=backend, context=CONTEXT) as model:
+    with localrun.load(str(path), backend=backend, context=CONTEXT, exact=True) as model:
         yield backend, fixture, path, model
 
 
@@ -81,7 +81,8 @@ def case(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, Path, Any]]
 def reference(default_gguf: Path) -> Iterator[Any]:
     """llama.cpp on the embedded GGUF: the reference rendering and prompt_tokens count."""
     _skip_unless_installed("llama.cpp")
-    with localrun.load(str(default_gguf), backend="llama.cpp", context=512) as m:
+    with localrun.load(str(default_gguf), backend="llama.cpp", context=512,
+                       exact=True) as m:
         yield m
 
 
@@ -213,6 +214,28 @@ def test_same_seed_same_text_and_seeds_differ(case: Any) -> None:
     others = {model.chat("Tell me about cats.", seed=s, **kw).text for s in (1, 2, 3)}
     assert a == b
     assert len(others | {a}) > 1
+
+
+def test_a_final_assistant_message_is_continued(case: Any) -> None:
+    """A conversation that ends with an assistant message (a prefill) gets the rest of
+    that message: given the first words of the model's own greedy reply, it goes on
+    with the word that reply had next, and the prompt counts the prefill. An empty
+    final assistant message is no prefill (the same reply as without it)."""
+    _, _, _, model = case
+    q = [{"role": "user", "content": "What is the capital of France? Answer in one "
+          "sentence."}]
+    full = model.chat(q, **GREEDY).text
+    words = full.split(" ")
+    assert len(words) > 3, full
+    prefix = " ".join(words[:2])
+    msgs = [*q, {"role": "assistant", "content": prefix}]
+    c = model.chat(msgs, **GREEDY)
+    assert c.text.split() and c.text.split()[0] == words[2], (full, c.text)
+    assert c.usage.prompt_tokens == model.count_prompt_tokens(msgs) \
+        > model.count_prompt_tokens(q)
+    assert "".join(ch.text for ch in model.stream(msgs, **GREEDY)) == c.text
+    empty = model.chat([*q, {"role": "assistant", "content": ""}], **GREEDY)
+    assert empty.text == full
 
 
 def test_stream_equals_non_stream(case: Any) -> None:

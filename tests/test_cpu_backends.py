@@ -12,6 +12,7 @@ import html
 import json
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,51 @@ def test_template_errors_of_any_kind_are_chat_template_errors() -> None:
     assert "concatenate" in info.value.reason or "NoneType" in info.value.reason
     with pytest.raises(ChatTemplateError, match="alternate"):
         render_chat(REFUSING, TWO_USERS)
+
+
+# -- the one memory contract -------------------------------------------------------------
+
+
+def test_footprint_of_one_and_four_is_what_the_engine_holds_and_the_server_counts(
+        small: tuple[str, Any]) -> None:
+    """``Model.footprint``: for one sequence, the model's estimate (weights, overhead, one
+    KV cache) and what it keeps between calls; four at once add what the engine really
+    holds for them: llama.cpp a KV stream of the context per slot, said before its batch
+    context is built and then allocated as that (its own count of cells); MLX one
+    context's KV cache per sequence beyond the first; OpenVINO nothing (one paged cache);
+    ONNX Runtime GenAI runs one at a time. The server's sizing counts exactly that."""
+    from localrun.server.config import ServerConfig
+    from localrun.server.loaded import wanted
+
+    backend, model = small
+    session = model._session
+    est = session.estimate()
+    assert est is not None and est.total_bytes > est.weights_bytes > 0
+    kv = est.kv_cache_bytes
+    batcher = getattr(session, "_batcher", None)
+    built = backend == "llama.cpp" and batcher is not None  # an earlier test overlapped
+    one, four = model.footprint(1), model.footprint(4)
+    assert one.slots == 1 and one.running == est.total_bytes + (
+        batcher.reserved_bytes if built else 0)
+    assert four.kept == one.kept and (one.kept > 0) == (backend == "mlx")
+    if backend == "llama.cpp" and not built:
+        from localrun.backends.llama_cpp.memory import kv_bytes_per_token
+
+        assert kv > 0 and four == replace(one, slots=4, per_slot=kv)  # a stream per slot
+        assert getattr(session, "_batcher", None) is None  # asking built nothing
+        model.limit_concurrency(4)
+        assert model.max_concurrency == 4  # built now, as sized
+        cells = int(session.engine.lc.llama_n_ctx(session._batcher._ctx))
+        assert cells * kv_bytes_per_token(session.engine) == four.total - one.total
+        assert model.footprint(1).total == model.footprint(4).total == four.total  # held
+    elif backend == "mlx":
+        assert kv > 0 and four.per_slot == kv and four.slots == min(4, model.max_concurrency)
+        assert four.total - one.total == (four.slots - 1) * kv
+    elif backend == "openvino":
+        assert four.per_slot == 0 and four.total == one.total
+        assert four.slots == min(4, model.max_concurrency) > 1
+    elif backend == "onnx":
+        assert four == one and model.max_concurrency == 1
+    batch = wanted(ServerConfig(parallel=4), "m", "chat", model)
+    assert batch.one.total == model.footprint(1).total
+    assert batch.size(batch.want) == model.footprint(batch.want).total

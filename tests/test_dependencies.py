@@ -43,6 +43,10 @@ ENGINE_MODULES: dict[str, str] = {
     "exllamav2": "ExLlamaV2 engine: extra exllamav2",
     "exllamav3": "ExLlamaV3 engine: extra exllamav3",
     "torch": "a dependency of the ExLlama engines (installed by the user for their CUDA)",
+    "PIL": "Pillow: decodes images (localrun/images.py) only when a message carries one; "
+           "in the extras of the engines that take images (llama-cpp, openvino) and serve",
+    "tokenizers": "the tokenizers library: OpenVINO's vision path streams replies through "
+                  "it where it decodes like the model's OpenVINO detokenizer; extra openvino",
     "numpy": "a dependency of openvino-genai, onnxruntime-genai and mlx; imported only in "
              "their backends to build arrays for them",
 }

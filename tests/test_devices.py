@@ -93,14 +93,13 @@ def host(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Make this process believe it runs on a profiled machine with given engines."""
     import localrun.backends
     import localrun.hardware
-    import localrun.resolve
 
     requests: list[LoadRequest] = []
 
     def use(name: str, installed: Mapping[str, str]) -> list[LoadRequest]:
         prof = profile(name)
         monkeypatch.setattr(localrun.hardware, "detect_hardware", lambda **kw: prof)
-        monkeypatch.setattr(localrun.resolve, "installed_backends", lambda: dict(installed))
+        monkeypatch.setattr(localrun.backends, "installed_backends", lambda: dict(installed))
         monkeypatch.setattr(localrun.backends, "get_backend",
                             lambda backend: RecordingBackend(backend, requests))
         return requests

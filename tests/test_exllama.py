@@ -917,11 +917,13 @@ def test_kv_bytes_are_memory_pys() -> None:
     """The loader's KV figure is the planner's (localrun.memory), at the cache's element
     size: fractional for quantized caches, a partial byte per token rounded up."""
     from localrun import memory
+    from localrun.backends import engine_memory
 
     assert ModelShape(1, 1, 1).kv_bytes_per_token(0.5 + 1 / 16) == 2  # 1.125 bytes
     for engine in ENGINES:
         fp16 = ex_vram.kv_bytes_per_token(engine, SHAPE_8B, "fp16", 1)
-        planned = memory.estimate(0, SHAPE_8B, 8192, backend=engine).kv_cache_bytes
+        planned = memory.estimate(0, SHAPE_8B, 8192,
+                                  engine=engine_memory(engine)).kv_cache_bytes
         assert fp16 * 8192 == planned == 1 * GiB
     q4 = SHAPE_8B.kv_bytes_per_token(0.5 + 1 / 16)
     assert ex_vram.kv_bytes_per_token("exllamav3", SHAPE_8B, "q4", 2) == q4

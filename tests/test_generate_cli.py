@@ -146,7 +146,11 @@ def test_partial_last_line_is_redone(default_gguf: Path, tmp_path: Path) -> None
 
 
 def _kill_midway(cmd: list[str], out: Path, sig: int, min_lines: int) -> int:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C reaches it even where the suite itself ignores SIGINT (started in the
+    # background by a shell: its children inherit the ignore, and Python then installs
+    # no KeyboardInterrupt handler: the run finished, exit 0)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     try:
         while time.monotonic() < deadline and proc.poll() is None:
@@ -170,7 +174,7 @@ def test_sigkill_midway_then_resume(default_gguf: Path, tmp_path: Path) -> None:
                                               for i, q in zip(ids, QUESTIONS, strict=True)])
     out = tmp_path / "out.jsonl"
     cmd = [*localrun_cmd(), "generate", str(default_gguf), "-i", str(inp), "-o", str(out),
-           *FLAGS, "-n", "24"]
+           *FLAGS, "-n", "24", "-j", "2"]  # two at a time: work left after two lines
     rc = _kill_midway(cmd, out, signal.SIGKILL, 2)
     assert rc == -signal.SIGKILL
     done_before = out.read_bytes().count(b"\n")
@@ -187,8 +191,9 @@ def test_ctrl_c_saves_and_tells_how_to_resume(default_gguf: Path, tmp_path: Path
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": q}
                                               for i, q in zip(ids, QUESTIONS, strict=True)])
     out = tmp_path / "out.jsonl"
+    # two at a time: work is left when the first line lands
     cmd = [*localrun_cmd(), "generate", str(default_gguf), "-i", str(inp), "-o", str(out),
-           *FLAGS, "-n", "24"]
+           *FLAGS, "-n", "24", "-j", "2"]
     proc_rc = _kill_midway(cmd, out, signal.SIGINT, 1)
     assert proc_rc == 130
     rows = results(out)  # whole lines only

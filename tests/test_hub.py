@@ -110,13 +110,20 @@ def test_onnx_variant_folder(fake: HubFixture) -> None:
 
 
 def test_mmproj_and_imatrix_ignored(fake: HubFixture) -> None:
-    """The repo also holds mmproj-...-f16.gguf (a vision projector) and an .imatrix:
-    neither is a quant of the model, so F16 is not offered and no file of theirs is
-    planned."""
+    """The repo also holds an .imatrix and (added here) mmproj-...-f16.gguf, a vision
+    projector: neither is a quant of the model, so F16 is not offered; the imatrix is
+    never planned, the projector comes with the model it serves (issue 32: a vision GGUF
+    is the pair; tests/test_images_hub.py loads one)."""
+    from tests.hubserver import FakeFile, gguf_bytes
+
+    repo = fake.hub.repos["bartowski/Qwen2.5-0.5B-Instruct-GGUF"]
+    repo.branches["main"]["mmproj-Qwen2.5-0.5B-Instruct-f16.gguf"] = FakeFile(
+        gguf_bytes(quant="F16", pad=50))
     plan = hub.plan_fetch("bartowski/Qwen2.5-0.5B-Instruct-GGUF", backend="llama.cpp",
                           memory_budget_bytes=8 * GiB)  # a budget: every quant is listed
     assert sorted(o.quant for o in plan.options) == ["Q4_K_M", "Q6_K", "Q8_0"]
-    assert [f.path for f in plan.files] == ["Qwen2.5-0.5B-Instruct-Q4_K_M.gguf"]
+    assert [f.path for f in plan.files] == ["Qwen2.5-0.5B-Instruct-Q4_K_M.gguf",
+                                            "mmproj-Qwen2.5-0.5B-Instruct-f16.gguf"]
     with pytest.raises(NoVariantError) as info:
         hub.plan_fetch("bartowski/Qwen2.5-0.5B-Instruct-GGUF:F16", backend="llama.cpp")
     assert info.value.tried == ["bartowski/Qwen2.5-0.5B-Instruct-GGUF"]

@@ -123,23 +123,24 @@ def test_list_shows_the_pulled_names(fake: HubFixture) -> None:
 
 def test_auto_mode_offline_uses_the_engine_the_name_was_pulled_for(fake: HubFixture) -> None:
     """On an Intel host auto mode picks OpenVINO; the name was pulled for llama.cpp."""
-    from localrun.planning.plan import plan_fetch
+    from localrun.planning.plan import plan_model
 
     intel = HardwareProfile.load(PROFILES / "xeon-cpu.json")
     engines = {"openvino": "test", "llama.cpp": "test"}
     hub.fetch(hub.plan_fetch(BASE, backend="llama.cpp"))
     fake.offline()
-    chosen, fp = plan_fetch(BASE, hardware=intel, installed=engines)
+    planned = plan_model(BASE, hardware=intel, installed=engines)
+    chosen, fp = planned.plan, planned.download
     assert fp is not None and (chosen.backend, fp.repo) == ("llama.cpp", GGUF_REPO)
     assert any("downloaded for llama.cpp" in line for line in fp.reasons), fp.reasons
     # An explicit engine keeps its word: nothing cached for OpenVINO is an error.
     with pytest.raises(OfflineMissingError):
-        plan_fetch(BASE, hardware=intel, installed=engines, backend="openvino")
+        plan_model(BASE, hardware=intel, installed=engines, backend="openvino")
 
 
 def test_default_name_with_another_quant_is_the_catalog_alias(fake: HubFixture) -> None:
     """smollm2:135m is the packaged GGUF (Q4_1); asked for with another quant, the alias."""
-    from localrun.planning.plan import plan_fetch
+    from localrun.planning.plan import plan_model
     from tests.hubserver import FakeRepo, gguf_bytes
 
     fake.hub.add(FakeRepo("bartowski/SmolLM2-135M-Instruct-GGUF", {"main": {
@@ -149,8 +150,8 @@ def test_default_name_with_another_quant_is_the_catalog_alias(fake: HubFixture) 
     plan = hub.plan_fetch("smollm2:135m", backend="llama.cpp", quant="Q8_0")
     assert (plan.repo, plan.quant, plan.source) == (
         "bartowski/SmolLM2-135M-Instruct-GGUF", "Q8_0", "hub")
-    _, fp = plan_fetch("smollm2:135m", quant="Q8_0", installed={"llama.cpp": "test"},
-                       hardware=HardwareProfile.load(PROFILES / "epyc-cpu.json"))
+    fp = plan_model("smollm2:135m", quant="Q8_0", installed={"llama.cpp": "test"},
+                    hardware=HardwareProfile.load(PROFILES / "epyc-cpu.json")).download
     assert fp is not None and fp.repo == plan.repo and fp.quant == "Q8_0"
     # Its own quant, or none: the packaged file, nothing to download.
     for quant in (None, "q4_1"):

@@ -36,16 +36,6 @@ def module_name(path: Path, root: Path = ROOT) -> str:
     return ".".join(parts)
 
 
-#: Cycles outside what issue 29's engine restructure touched, known and tolerated until
-#: issue 29's second part (29B) removes them; each is the sorted list of its modules.
-#: Empty this list, never add to it.
-ALLOWED: list[list[str]] = [
-    # server/loaded.py names ModelManager in annotations (under TYPE_CHECKING) and
-    # server/manager.py imports loaded.py: the loaded-model records and their manager
-    ["localrun.server.loaded", "localrun.server.manager"],
-]
-
-
 def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
     """Every import statement: module level, in functions, under ``if TYPE_CHECKING:``."""
     for node in ast.walk(tree):
@@ -135,15 +125,9 @@ def describe(component: list[str], graph_edges: list[Edge]) -> str:
 
 def test_no_import_cycles() -> None:
     graph_edges = edges()
-    found = [c for c in cycles(graph_edges) if c not in ALLOWED]
+    found = cycles(graph_edges)
     assert not found, "import cycles in localrun/:\n" + "\n".join(
         describe(c, graph_edges) for c in found)
-
-
-def test_the_allowed_cycles_still_exist() -> None:
-    """An allowed cycle that is gone leaves the list: it only ever shrinks."""
-    found = cycles(edges())
-    assert [c for c in ALLOWED if c not in found] == []
 
 
 def test_the_walker_sees_what_it_must(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from localrun.backends.base import GenerationStats, LoadRequest, Prompt
+from localrun.backends.base import Footprint, GenerationStats, LoadRequest, Prompt
 from localrun.errors import LocalrunError
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
@@ -45,7 +45,7 @@ def session() -> Iterator[Any]:
     path = test_model("gguf-q8_0")
     # on the CPU: the exactness below is of llama.cpp's CPU kernels (module docstring)
     s = LlamaCppSession(LoadRequest(path=str(path), format="gguf", context=CONTEXT,
-                                    device="cpu"))
+                                    device="cpu", exact=True))
     yield s
     s.close()
 
@@ -447,7 +447,7 @@ def test_session_batcher_made_once_and_closed_with_it() -> None:
     from localrun.backends.llama_cpp.session import LlamaCppSession
 
     s = LlamaCppSession(LoadRequest(path=str(test_model("gguf-q8_0")), format="gguf",
-                                    context=512))
+                                    context=512, exact=True))
     try:
         b = s.batcher()
         assert b is not None and s.batcher() is b and s.batch_alone  # lone ones too, now
@@ -460,8 +460,9 @@ def test_session_batcher_made_once_and_closed_with_it() -> None:
 
 def test_load_max_concurrency_builds_that_many_streams() -> None:
     """``load(max_concurrency=3)``: the batch context holds 3 KV streams of the whole
-    context (where memory would allow 8), and Model reports 3 and their bytes; 1 builds
-    no batch context at all (the model runs one sequence at a time)."""
+    context (where memory would allow 8), and Model reports 3 and their bytes (its
+    footprint's fixed part, whatever runs); 1 builds no batch context at all (the model
+    runs one sequence at a time)."""
     import localrun
     from localrun.backends.llama_cpp.memory import kv_bytes_per_token
 
@@ -471,14 +472,18 @@ def test_load_max_concurrency_builds_that_many_streams() -> None:
         assert m.max_concurrency == 3
         session = m._session
         stream = 512 * kv_bytes_per_token(session.engine)
-        assert m.batch_reserved_bytes == 3 * stream
+        est = session.estimate()
+        assert est is not None and m.footprint(3) == Footprint(3, est.total_bytes + 3 * stream,
+                                                               0, 0)
+        assert m.footprint(1).total == m.footprint().total  # held whatever runs
         b = session._batcher
         assert b.capacity == 3
         assert int(session._engine.lc.llama_n_seq_max(b._ctx)) == 3  # the engine's own count
         assert int(session._engine.lc.llama_n_ctx(b._ctx)) == 3 * 512
     with localrun.load(path, backend="llama.cpp", context=512, device="cpu",
                        max_concurrency=1) as m:
-        assert m.max_concurrency == 1 and m.batch_reserved_bytes == 0
+        assert m.max_concurrency == 1 and m.footprint(4).slots == 1
+        assert m.footprint(4).total == m._session.estimate().total_bytes
         assert getattr(m._session, "_batcher", None) is None
     with pytest.raises(LocalrunError, match="max_concurrency 0"):
         localrun.load(path, max_concurrency=0)
@@ -537,7 +542,7 @@ def test_model_calls_from_threads_run_together() -> None:
     from localrun.backends.llama_cpp.batcher import LlamaCppBatcher
 
     with localrun.load(str(test_model("gguf-q8_0")), backend="llama.cpp",
-                       context=CONTEXT, device="cpu") as model:
+                       context=CONTEXT, device="cpu", exact=True) as model:
         want = [model.chat(q, temperature=0, max_tokens=16).text for q in QUESTIONS]
         got: dict[int, str] = {}
         start = threading.Barrier(len(QUESTIONS))
@@ -555,22 +560,50 @@ def test_model_calls_from_threads_run_together() -> None:
         assert isinstance(model._driver._batcher, LlamaCppBatcher)
 
 
-def test_batch_slots_say_what_the_batch_context_will_hold_before_it_is_built() -> None:
-    """``Model.batch_slots``: the KV streams the batch context would have (within
-    limit_concurrency) and the bytes of each, asked without building it, so that a
-    caller (``localrun serve --max-memory``) sizes it first; once built, None (its
-    capacity and reserved bytes say it then)."""
+def test_footprint_says_what_the_batch_context_will_hold_before_it_is_built() -> None:
+    """``Model.footprint(n)``: the KV streams the batch context would have (within
+    limit_concurrency and the budget) and the bytes of each, asked without building it,
+    so that a caller (``localrun serve --max-memory``) sizes it first; once built, what
+    it holds is in the fixed part, and what the batcher really allocated (its context's
+    own count of cells) is what footprint(n) - footprint(1) said before."""
     import localrun
     from localrun.backends.llama_cpp.memory import kv_bytes_per_token
 
     path = str(test_model("gguf-q8_0"))
-    with localrun.load(path, backend="llama.cpp", context=512, device="cpu",
-                       max_concurrency=3) as m:
-        stream = 512 * kv_bytes_per_token(m._session.engine)
-        assert m.batch_slots == (3, stream)
-        assert getattr(m._session, "_batcher", None) is None  # asking built nothing
+    with localrun.load(path, backend="llama.cpp", context=512, device="cpu") as m:
+        session = m._session
+        m.limit_concurrency(3)  # (load(max_concurrency=3) would build it at once)
+        stream = 512 * kv_bytes_per_token(session.engine)
+        one, four = m.footprint(1), m.footprint(4)
+        est = session.estimate()
+        assert est is not None and est.kv_cache_bytes == stream  # one KV cache: one stream
+        assert one == Footprint(1, est.total_bytes, 0, 0)  # no batch context for one
+        assert four == Footprint(3, est.total_bytes, stream, 0)  # within the limit
+        assert getattr(session, "_batcher", None) is None  # asking built nothing
         m.limit_concurrency(2)
-        assert m.batch_slots == (2, stream)
-        assert m.max_concurrency == 2 and m.batch_reserved_bytes == 2 * stream
-        assert m.batch_slots is None
-        assert m.kept_cache_bytes == 0  # its reused cells are in its slots, counted
+        planned = m.footprint(2)
+        assert planned == Footprint(2, est.total_bytes, stream, 0)
+        assert m.max_concurrency == 2  # builds it, with 2 streams
+        b = session._batcher
+        lc = session._engine.lc
+        cells = int(lc.llama_n_ctx(b._ctx))  # the engine's own count of its KV cells
+        assert cells * kv_bytes_per_token(session.engine) == planned.total - one.total
+        assert b.reserved_bytes == planned.total - one.total
+        assert m.footprint(2) == Footprint(2, est.total_bytes + 2 * stream, 0, 0)
+        assert m.footprint(1).total == planned.total  # held whatever runs now
+        assert m.footprint().kept == 0  # its reused cells are in its slots, counted
+    with pytest.raises(LocalrunError, match="slots 0"):
+        m.footprint(0)
+
+
+def test_model_has_no_separate_sizing_properties() -> None:
+    """One memory contract: ``Model.footprint``; the sizing properties it replaced are
+    gone from the public Model and from the Session contract."""
+    import localrun
+    from localrun.backends.base import Session
+
+    for name in ("batch_slots", "kept_cache_bytes", "batch_reserved_bytes", "batch_alone"):
+        assert not hasattr(localrun.Model, name), name
+    for name in ("batch_slots", "kept_cache_bytes"):
+        assert not hasattr(Session, name), name
+    assert callable(localrun.Model.footprint) and callable(Session.footprint)

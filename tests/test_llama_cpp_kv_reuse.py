@@ -39,7 +39,8 @@ def load() -> Any:
 
     # one thread: on a busy 2-core machine two wait on each other at every token
     return LlamaCppSession(LoadRequest(path=str(test_model("gguf-q8_0")), format="gguf",
-                                       context=CONTEXT, device="cpu", threads=1))
+                                       context=CONTEXT, device="cpu", threads=1,
+                                       exact=True))
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +212,7 @@ def test_lone_sequence_runs_through_the_batcher_once_built() -> None:
     import localrun
 
     with localrun.load(str(test_model("gguf-q8_0")), backend="llama.cpp", context=1024,
-                       device="cpu") as model:
+                       device="cpu", exact=True) as model:
         session = model._session
         asks: list[Any] = ["What is 2+2?", [{"role": "system", "content": SYSTEM},
                                             {"role": "user", "content": "Name a color."}]]

@@ -283,7 +283,8 @@ def test_bad_prompts_and_echo_on_a_conversation() -> None:
 def llama(default_gguf: Any) -> Iterator[Any]:
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python is not installed (pip install -e '.[llama-cpp]')")
-    with localrun.load(str(default_gguf), backend="llama.cpp", context=CONTEXT) as m:
+    with localrun.load(str(default_gguf), backend="llama.cpp", context=CONTEXT,
+                       exact=True) as m:
         yield m
 
 
@@ -491,7 +492,8 @@ def engine(request: pytest.FixtureRequest) -> Iterator[tuple[Any, float]]:
     backend, fixture, module, tol = request.param
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed (pip install -e '.[{backend}]')")
-    with localrun.load(str(test_model(fixture)), backend=backend, context=CONTEXT) as m:
+    with localrun.load(str(test_model(fixture)), backend=backend, context=CONTEXT,
+                       exact=True) as m:
         yield m, tol
 
 
@@ -560,7 +562,7 @@ def openvino() -> Iterator[Any]:
     if importlib.util.find_spec("openvino_genai") is None:
         pytest.skip("openvino-genai is not installed (pip install -e '.[openvino]')")
     with localrun.load(str(test_model("openvino-int4")), backend="openvino",
-                       context=CONTEXT) as m:
+                       context=CONTEXT, exact=True) as m:
         if "logprobs" not in m._session.features:
             pytest.skip(f"OpenVINO GenAI {m.info.engine_version} reports processed "
                         "logprobs (raw ones from 2026.2)")

@@ -165,6 +165,7 @@ def test_interrupted_builds_never_look_done(tmp_path: Path) -> None:
 EXPECTED = {
     "gguf-q4_1": ("gguf", "Q4_1"),
     "gguf-q8_0": ("gguf", "Q8_0"),
+    "gguf-f32": ("gguf", "F32"),
     "hf": ("hf", None),
     "mlx-4bit": ("mlx", "4bit"),
     "openvino-int4": ("openvino", None),

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from localrun import memory
+from localrun.backends import engine_memory
 from localrun.formats.gguf import metadata_from_bytes
 from localrun.memory import ModelShape
 from tests.hubserver import gguf_bytes
@@ -92,7 +93,7 @@ MiB = 2**20
 ])
 def test_estimate_follows_the_engine_and_device(backend: str | None, device: str | None,
                                                 kv_mib: int, fixed_mib: int) -> None:
-    est = memory.estimate(10**8, SMOLLM2, 8192, backend=backend, device=device)
+    est = memory.estimate(10**8, SMOLLM2, 8192, engine=engine_memory(backend, device))
     assert est.kv_cache_bytes == kv_mib * MiB
     assert est.overhead_bytes == fixed_mib * MiB + 5_000_000
     assert est.total_bytes == 10**8 + kv_mib * MiB + fixed_mib * MiB + 5_000_000
@@ -107,11 +108,11 @@ def test_mlx_kv_follows_the_model_dtype() -> None:
         for key in ("torch_dtype", "dtype"):
             shape = memory.shape_from_config({**cfg, key: dtype} if dtype else cfg)
             assert shape is not None and shape.kv_bytes_per_token(1) == 11_520
-            est = memory.estimate(10**8, shape, 8192, backend="mlx", device="metal")
+            est = memory.estimate(10**8, shape, 8192, engine=engine_memory("mlx", "metal"))
             assert est.kv_cache_bytes == kv_mib * MiB, (dtype, key)
             # the engines with a KV type of their own do not follow the model's dtype
-            assert memory.estimate(10**8, shape, 8192, backend="llama.cpp",
-                                   device="cpu").kv_cache_bytes == 180 * MiB
+            assert memory.estimate(10**8, shape, 8192, engine=engine_memory(
+                "llama.cpp", "cpu")).kv_cache_bytes == 180 * MiB
 
 
 def test_max_context_counts_what_the_engine_allocates() -> None:
@@ -119,12 +120,11 @@ def test_max_context_counts_what_the_engine_allocates() -> None:
     w = 10**8
     room = 90 * MiB  # 4096 f16 tokens of SmolLM2, 2048 f32 ones
     for backend, want in (("llama.cpp", 4096), ("openvino", 2048), ("onnx", 2048)):
-        fixed = memory.engine_memory(backend, "cpu").overhead_fixed
-        budget = w + memory.overhead_bytes(w, fixed) + room
-        ctx = memory.max_context(w, SMOLLM2, budget, backend=backend, device="cpu")
+        engine = engine_memory(backend, "cpu")
+        budget = w + memory.overhead_bytes(w, engine.overhead_fixed) + room
+        ctx = memory.max_context(w, SMOLLM2, budget, engine=engine)
         assert ctx == want, backend
-        assert memory.estimate(w, SMOLLM2, ctx, backend=backend, device="cpu").total_bytes \
-            == budget
+        assert memory.estimate(w, SMOLLM2, ctx, engine=engine).total_bytes == budget
 
 
 def test_intel_host_plans_openvino_with_its_f32_kv_cache(monkeypatch: pytest.MonkeyPatch,
@@ -196,15 +196,48 @@ def test_a_local_model_is_estimated_from_its_own_files(tmp_path: Path) -> None:
          "hidden_size": 576, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}))
     (folder / "model.safetensors").write_bytes(b"\0" * 4096)
     (folder / "notes.txt").write_text("not a weight")
-    est = memory.local_estimate(folder, None, backend="mlx", device="cpu")
+    est = memory.local_estimate(folder, None, engine=engine_memory("mlx", "cpu"))
     assert est.weights_bytes == 4096 and est.context == 8192
     assert est.kv_cache_bytes == memory.kv_cache_bytes(SMOLLM2, 8192, 2)  # bf16, MLX's row
     assert est.overhead_bytes == memory.overhead_bytes(
-        4096, memory.engine_memory("mlx", "cpu").overhead_fixed)
-    est = memory.local_estimate(folder, 2048, backend="openvino", device="CPU")
+        4096, engine_memory("mlx", "cpu").overhead_fixed)
+    est = memory.local_estimate(folder, 2048, engine=engine_memory("openvino", "CPU"))
     assert est.context == 2048 and est.kv_cache_bytes == memory.kv_cache_bytes(SMOLLM2, 2048, 4)
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "model.safetensors").write_bytes(b"\0" * 10)
     est = memory.local_estimate(bare, None)
     assert not est.kv_known and est.context == memory.DEFAULT_CONTEXT_CAP
+
+
+def test_one_budget_policy_for_the_server_and_llama_cpps_batch_context() -> None:
+    """``memory.budget``: under a limit (``serve --max-memory``) the limit less what is
+    counted, else what the OS shows plus what unloading freed and what of the model is
+    in memory already; an optional reserve (llama.cpp's batch context) a quarter of that
+    at most, within its cap. llama.cpp's batch slots and the server's fit check are its
+    answers, not rules of their own."""
+    from localrun.backends.llama_cpp.memory import KV_BUDGET, MAX_CAPACITY, batch_capacity
+
+    gib = 1 << 30
+    assert memory.budget(8 * gib, freed=gib, resident=gib) == 10 * gib
+    assert memory.budget(8 * gib, limit=6 * gib, used=4 * gib, freed=gib) == 2 * gib
+    assert memory.budget(4 * gib, reserve=KV_BUDGET) == gib  # a quarter of the room
+    assert memory.budget(64 * gib, reserve=KV_BUDGET) == KV_BUDGET  # within its cap
+    assert memory.budget(None, reserve=KV_BUDGET) == KV_BUDGET  # RAM unknown
+    for available in (None, 3 * gib, 8 * gib, 64 * gib):
+        for stream in (64 << 20, 300 << 20, gib):
+            room = memory.budget(available, reserve=KV_BUDGET)
+            assert batch_capacity(stream, available) == min(MAX_CAPACITY, room // stream)
+
+    pytest.importorskip("fastapi", reason="the serve extra is not installed "
+                        "(pip install -e '.[serve]')")
+    from localrun.server.config import ServerConfig
+    from localrun.server.manager import ModelManager
+    from localrun.server.metrics import Metrics
+
+    free = ModelManager(ServerConfig(), Metrics(), available_memory=lambda: 8 * gib)
+    assert free._fits(10 * gib, gib, loaded=gib) and not free._fits(10 * gib + 1, gib,
+                                                                    loaded=gib)
+    capped = ModelManager(ServerConfig(max_memory=6 * gib), Metrics(),
+                          available_memory=lambda: 64 * gib)  # the OS is not asked
+    assert capped._fits(6 * gib, 0, loaded=gib) and not capped._fits(6 * gib + 1, gib)

@@ -43,7 +43,7 @@ from typing import Any
 import pytest
 
 from localrun import memory
-from localrun.backends import is_installed
+from localrun.backends import engine_memory, is_installed
 from localrun.formats.gguf import metadata_from_bytes
 from tests.models import test_model
 
@@ -168,7 +168,8 @@ def test_estimate_within_25_percent_of_rss(backend: str) -> None:
     r = _measure("run", backend, str(path), "--context", str(ctx), "--prompt", str(ctx - 8),
                  "--gen", "8")
     assert ctx - 8 <= r["tokens"] <= ctx
-    est = memory.estimate(_weights(path), _shape(path), ctx, backend=backend, device="cpu")
+    est = memory.estimate(_weights(path), _shape(path), ctx,
+                          engine=engine_memory(backend, "cpu"))
     print(f"{backend} at {ctx} tokens: RSS +{(r['filled'] - r['start']) / MiB:.1f} MiB "
           f"(peak +{(r['peak'] - r['start']) / MiB:.1f}), estimate "
           f"{est.total_bytes / MiB:.1f} MiB ({est.breakdown()})")
@@ -179,8 +180,8 @@ def test_kv_llama_cpp_allocated_at_load() -> None:
     path = _fixture("llama.cpp")
     small = _measure("run", "llama.cpp", str(path), "--context", "256")
     large = _measure("run", "llama.cpp", str(path), "--context", "2048")
-    kv = memory.estimate(0, _shape(path), 2048 - 256, backend="llama.cpp",
-                         device="cpu").kv_cache_bytes
+    kv = memory.estimate(0, _shape(path), 2048 - 256,
+                         engine=engine_memory("llama.cpp", "cpu")).kv_cache_bytes
     _within(large["loaded"] - small["loaded"], kv, "llama.cpp KV, 256 -> 2048 tokens")
 
 
@@ -190,8 +191,8 @@ def test_kv_onnx_kept_buffer() -> None:
     # prompt + max_tokens = 2048 > the warm-up's 1024-token buffer: the call grows it to 2048
     large = _measure("run", "onnx", str(path), "--context", "2048", "--warm", "--prompt", "8",
                      "--gen", "2040")
-    kv = memory.estimate(0, _shape(path), 2048 - 256, backend="onnx",
-                         device="cpu").kv_cache_bytes
+    kv = memory.estimate(0, _shape(path), 2048 - 256,
+                         engine=engine_memory("onnx", "cpu")).kv_cache_bytes
     _within((large["filled"] - large["loaded"]) - (small["warm"] - small["loaded"]), kv,
             "ONNX Runtime GenAI KV, kept buffer 256 -> 2048 tokens")
 
@@ -199,11 +200,14 @@ def test_kv_onnx_kept_buffer() -> None:
 def test_kv_openvino_default_precision_over_f16() -> None:
     path = _fixture("openvino")
     args = ("run", "openvino", str(path), "--context", "1024", "--prompt", "8", "--gen", "1016")
-    default = _measure(*args)
-    f16 = _measure(*args, "--options", json.dumps({"KV_CACHE_PRECISION": "f16"}))
+    # exact: f32 compute and cache, what memory planning counts (by default the cache is
+    # in the plugin's own precision, bf16 on CPUs with AVX-512 BF16/AMX: less)
+    default = _measure(*args, "--options", json.dumps({"exact": True}))
+    f16 = _measure(*args, "--options", json.dumps({"KV_CACHE_PRECISION": "f16",
+                                                   "exact": True}))
     tokens = default["tokens"]
     assert tokens == f16["tokens"] >= 512, "the reply ended early: nothing to weigh"
-    elem = memory.engine_memory("openvino", "cpu").kv_element_bytes
+    elem = engine_memory("openvino", "cpu").kv_element_bytes
     assert elem is not None
     extra = memory.kv_cache_bytes(_shape(path), tokens, elem - 2)
     _within((default["filled"] - default["start"]) - (f16["filled"] - f16["start"]), extra,
@@ -215,7 +219,7 @@ def test_kv_mlx_arrays_as_allocated() -> None:
     r = _measure("mlx-cache", "mlx", str(path))
     shape = _shape(path)
     # the model's dtype, from its config.json (the fixture was saved in f32)
-    elem = memory.kv_element_bytes(memory.engine_memory("mlx", "cpu"), shape)
+    elem = memory.kv_element_bytes(engine_memory("mlx", "cpu"), shape)
     assert r["itemsize"] == elem
     # mlx-lm grows its cache in steps of 256 tokens
     assert r["kv_bytes"] == memory.kv_cache_bytes(shape, 256, elem)

@@ -132,7 +132,8 @@ def model() -> Iterator[Any]:
     import localrun
     from tests.models import test_model
 
-    with localrun.load(str(test_model("mlx-4bit")), backend="mlx", context=2048) as m:
+    with localrun.load(str(test_model("mlx-4bit")), backend="mlx", context=2048,
+                       exact=True) as m:
         yield m
 
 
@@ -219,9 +220,10 @@ def test_the_batcher_and_the_single_path_share_the_cache(model: Any) -> None:
 
 
 def test_serve_counts_the_caches_it_keeps(model: Any) -> None:
-    """``Model.kept_cache_bytes``: the store's bound for this model's context (a few
-    whole-context caches within 1 GiB), which ``localrun serve`` adds to the model's
-    weights, overhead and KV cache."""
+    """``Model.footprint``: ``kept`` is the store's bound for this model's context (a few
+    whole-context caches within 1 GiB); each sequence at once adds one KV cache of the
+    context (``per_slot``: its cache grows with it, nothing reserved up front); ``localrun
+    serve`` counts the model as that, at the slots it runs."""
     pytest.importorskip("fastapi", reason="the serve extra is not installed "
                         "(pip install -e '.[serve]')")
     from localrun.backends.mlx.reuse import PREFIX_BYTES, PREFIX_ENTRIES
@@ -232,7 +234,10 @@ def test_serve_counts_the_caches_it_keeps(model: Any) -> None:
     est = estimate_loaded(model.info, None)
     assert est is not None and est.kv_cache_bytes > 0 and model.info.context_length == 2048
     kept = min(PREFIX_ENTRIES * est.kv_cache_bytes, max(PREFIX_BYTES, est.kv_cache_bytes))
-    assert model.kept_cache_bytes == kept
+    one, four = model.footprint(1), model.footprint(4)
+    assert one.kept == four.kept == kept and one.total == est.total_bytes + kept
+    assert four.slots == min(4, model.max_concurrency) and four.per_slot == est.kv_cache_bytes
+    assert four.total - one.total == (four.slots - 1) * est.kv_cache_bytes
     with serve(ServerConfig(parallel=1), preload={"m": model}) as s:
         (loaded,) = s.manager.models.values()
         assert loaded.size == est.total_bytes + kept

@@ -50,7 +50,7 @@ def session(path: str) -> Iterator[Any]:
     from localrun.backends.base import LoadRequest
     from localrun.backends.onnx.session import BACKEND
 
-    s = BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT))
+    s = BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT, exact=True))
     yield s
     s.close()
 
@@ -163,7 +163,7 @@ def test_greedy_multi_turn_equals_fresh_after_another_conversation(path: str) ->
     import localrun
 
     greedy: dict[str, Any] = {"temperature": 0.0, "max_tokens": 32}
-    with localrun.load(path, backend="onnx", context=CONTEXT) as reused:
+    with localrun.load(path, backend="onnx", context=CONTEXT, exact=True) as reused:
         reused.chat([{"role": "system", "content": SYSTEM},
                      {"role": "user", "content": "Name three birds."}], **greedy)
         messages = [{"role": "system", "content": SYSTEM}]
@@ -171,7 +171,7 @@ def test_greedy_multi_turn_equals_fresh_after_another_conversation(path: str) ->
         for turn in TURNS:
             messages.append({"role": "user", "content": turn})
             got = reused.chat(messages, **greedy)
-            with localrun.load(path, backend="onnx", context=CONTEXT) as fresh:
+            with localrun.load(path, backend="onnx", context=CONTEXT, exact=True) as fresh:
                 want = fresh.chat(messages, **greedy)
             assert got.text == want.text, (turn, got.text, want.text)
             assert got.usage.prompt_tokens == want.usage.prompt_tokens
@@ -213,7 +213,7 @@ def test_seeded_sampling_is_the_same_on_a_reused_and_a_fresh_generator(path: str
                                 {"role": "user", "content": "Hi."}]), sampling(8, 1.0, seed=3))
     reused = [run(session, prompt, sampling(20, seed=7, **o))[0] for o in options]
     again = [run(session, prompt, sampling(20, seed=7, **o))[0] for o in options]
-    fresh = BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT))
+    fresh = BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT, exact=True))
     try:
         want = [run(fresh, prompt, sampling(20, seed=7, **o))[0] for o in options]
         other = run(fresh, prompt, sampling(20, seed=8, **options[0]))[0]
@@ -275,7 +275,7 @@ def test_close_frees_the_kept_generator(path: str) -> None:
     from localrun.backends.base import LoadRequest
     from localrun.backends.onnx.session import BACKEND
 
-    s = BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT))
+    s = BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT, exact=True))
     run(s, Prompt(long_text(s, 20)), sampling(4))
     assert s._gen is not None
     s.close()
@@ -290,7 +290,7 @@ def load(path: str) -> Any:
     from localrun.backends.base import LoadRequest
     from localrun.backends.onnx.session import BACKEND
 
-    return BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT))
+    return BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT, exact=True))
 
 
 def test_settled_reply_rows_are_reused_and_the_replies_stay_fresh(path: str,
@@ -512,7 +512,8 @@ def test_the_settle_option_turns_settling_off(path: str) -> None:
     from localrun.backends.onnx.session import BACKEND, SETTLE_DELAY
     from localrun.errors import InvalidOptionError
 
-    s = BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT, options={"SETTLE": False}))
+    s = BACKEND.load(LoadRequest(path, "onnx", context=CONTEXT, exact=True,
+                                 options={"SETTLE": False}))
     try:
         run(s, chat(s, [{"role": "user", "content": TURNS[0]}]), sampling(16))
         time.sleep(SETTLE_DELAY * 4)

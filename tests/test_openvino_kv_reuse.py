@@ -45,7 +45,7 @@ def _path() -> str:
 def _load(**options: Any) -> Any:
     import localrun
 
-    return localrun.load(_path(), backend="openvino", **options)
+    return localrun.load(_path(), backend="openvino", **{"exact": True, **options})
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_the_single_sequence_pipeline_on_request(f32_pair: tuple[Any, Any]) -> N
 
 
 def test_precision_options() -> None:
-    """f32 on the CPU by default, keys and values too; bf16 on request (where the CPU
+    """f32 on the CPU with exact=True, keys and values too; bf16 on request (where the CPU
     has it) with a bf16 cache, and an f32 cache with bf16 compute refused before the
     model loads (paged attention takes none)."""
     from localrun.backends.openvino.devices import cpu_precision

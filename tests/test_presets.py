@@ -236,14 +236,17 @@ def test_load_by_preset_name_reaches_the_engine(home: Path, llama_model: Any) ->
 
 
 @requires_llama
-def test_a_preset_with_an_adapter_is_refused_at_load_until_lora_lands(home: Path,
-                                                                      tmp_path: Path) -> None:
+def test_a_preset_whose_adapter_file_is_no_adapter_is_refused_at_load(home: Path,
+                                                                     tmp_path: Path) -> None:
+    """Its adapters load with its model (tests/test_adapters.py); a file that is no LoRA
+    adapter is refused with the reason, never run as the base model."""
     import localrun
+    from localrun.adapters import AdapterError
 
     (tmp_path / "style.gguf").write_bytes(b"GGUF")
     presets.save(presets.make("styled", "smollm2:135m", adapters=[
         presets.parse_adapter(str(tmp_path / "style.gguf") + ":0.5")]))
-    with pytest.raises(presets.PresetError, match="cannot load LoRA adapters yet"):
+    with pytest.raises(AdapterError, match=r"style\.gguf is not a LoRA adapter"):
         localrun.load("styled")
 
 

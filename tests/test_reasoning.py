@@ -442,7 +442,7 @@ def thinker(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
     backend, fixture = request.param
     _skip_unless_installed(backend)
     with localrun.load(str(test_model(fixture)), backend=backend, context=2048,
-                       chat_template=FIXTURE) as model:
+                       chat_template=FIXTURE, exact=True) as model:
         yield backend, model
 
 

@@ -108,6 +108,19 @@ def test_rm_without_yes_shows_what_goes_and_what_stays_then_asks(fake: HubFixtur
     assert f"localrun rm {BASE}" in out
 
 
+def test_rm_at_end_of_input_removes_nothing_and_says_how_to_answer(fake: HubFixture) -> None:
+    """A script that pipes nothing into `localrun rm` gets one line and exit 1, not
+    "interrupted" (click reads end of input as an abort)."""
+    _pull(ALIAS)
+    before = _tree(fake.home / "hub")
+    eof = _cli(fake, "rm", ALIAS, input="")
+    assert eof.returncode == 1
+    assert _tree(fake.home / "hub") == before and ALIAS in _names(fake)
+    assert "interrupted" not in eof.stderr and "Traceback" not in eof.stderr
+    assert "no answer (end of input): nothing removed" in eof.stderr
+    assert "--yes" in eof.stderr.splitlines()[-1]
+
+
 # --- in process: the pull record decides -----------------------------------------------------
 
 def test_alias_with_no_pull_record_removes_nothing_and_names_the_commands(

@@ -65,7 +65,8 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     path = test_model(fixture)
     if fixture in NAMELESS:
         path = as_hub_download(path, tmp_path_factory.mktemp(fixture))
-    with localrun.load(str(path), backend=backend, context=CONTEXT) as model:
+    with localrun.load(str(path), backend=backend, context=CONTEXT,
+                       exact=True) as model:
         yield backend, fixture, model
 
 
@@ -397,7 +398,8 @@ def test_generation_config_defaults_are_applied(backend: str, fixture: str,
     if gen_config.exists():
         gen_config.unlink()
     gen_config.write_text(json.dumps({**base, "do_sample": True, **FILE_DEFAULTS}))
-    with localrun.load(str(folder), backend=backend, context=CONTEXT) as model:
+    # exact: one seed, one sample, whatever the cache holds from the call before
+    with localrun.load(str(folder), backend=backend, context=CONTEXT, exact=True) as model:
         d = model.defaults
         assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty) == \
             pytest.approx(tuple(FILE_DEFAULTS.values()))

@@ -128,6 +128,32 @@ def test_streamed_tool_use_sends_input_json_deltas(client: Any) -> None:
     assert final.stop_reason == "tool_use"
 
 
+def test_a_final_assistant_message_is_a_prefill_the_reply_continues(client: Any,
+                                                                    server_model: Any
+                                                                    ) -> None:
+    """Anthropic's prefill: the reply continues the final assistant message (the text
+    after it, not a new turn), as the Python API does; count_tokens counts the prefill;
+    the stream carries the same text; a prefill with tools is a 400 that says why."""
+    msgs = [*Q, {"role": "assistant", "content": [{"type": "text",
+                                                   "text": "The capital of France is"}]}]
+    lib = [*Q, {"role": "assistant", "content": "The capital of France is"}]
+    r = client.messages.create(model=MODEL, max_tokens=6, messages=msgs, extra_body=GREEDY)
+    want = server_model.chat(lib, temperature=0, max_tokens=6)
+    assert r.content[0].text == want.text and "Paris" in want.text.split(".")[0]
+    assert not want.text.startswith("The capital")
+    assert r.usage.input_tokens == want.usage.prompt_tokens \
+        == server_model.count_prompt_tokens(lib) > server_model.count_prompt_tokens(Q)
+    assert client.messages.count_tokens(model=MODEL, messages=msgs).input_tokens \
+        == want.usage.prompt_tokens
+    with client.messages.stream(model=MODEL, max_tokens=6, messages=msgs,
+                                extra_body=GREEDY) as stream:
+        assert "".join(stream.text_stream) == want.text
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, max_tokens=6, messages=msgs, tools=[WEATHER],
+                               extra_body=GREEDY)
+    assert "prefill" in str(e.value) and "user message" in str(e.value)
+
+
 def test_count_tokens_is_the_prompt_a_reply_reads(client: Any) -> None:
     n = client.messages.count_tokens(model=MODEL, messages=Q)
     r = client.messages.create(model=MODEL, max_tokens=2, messages=Q, extra_body=GREEDY)
@@ -143,7 +169,7 @@ def test_bad_requests_are_400s_naming_the_field(client: Any) -> None:
                                          "data": "aGk="}}
     cases = [
         ({"messages": [{"role": "user", "content": [image]}]},
-         "messages[0].content[0]", "images are not supported yet"),
+         "message 0, image 1", "not a PNG, JPEG, WebP or GIF image"),
         ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
         ({"extra_body": {"mirostat": 2}}, "mirostat", "does not implement"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]",

@@ -73,9 +73,9 @@ def counting() -> tuple[list[tuple[str, int | None]], ModelManager]:
     """A manager whose loads (the real loader) are counted."""
     loads: list[tuple[str, int | None]] = []
 
-    def load(name: str, config: Any, context: int | None) -> Any:
+    def load(name: str, config: Any, context: int | None, target: Any = None) -> Any:
         loads.append((name, context))
-        return _load_chat(name, config, context)
+        return _load_chat(name, config, context, target)
 
     return loads, ModelManager(CONFIG, Metrics(), loader=load)
 
@@ -126,6 +126,23 @@ def test_a_preset_after_its_model_gets_its_own_system_prompt(home: Path,
         assert len(loads) == 1 and len(s.manager.models) == 1, loads
         (entry,) = ps(s.url)
         assert (entry["name"], entry["presets"], entry["pinned"]) == (BASE, ["hook"], False)
+
+
+@requires_llama
+def test_an_exact_preset_never_runs_on_its_models_fast_copy(home: Path,
+                                                            counts: dict[str, int]) -> None:
+    """A preset saved with ``exact`` asked for after its model's fast copy is loaded gets
+    an exact copy of its own (the bug: it shared the fast one); the model's requests may
+    run on either (an exact copy is correct for them)."""
+    save_hook(exact=True)
+    loads, manager = counting()
+    with serve(CONFIG, manager=manager) as s:
+        assert openai_tokens(s.url, BASE) == counts["plain"]
+        assert openai_tokens(s.url, "hook") == counts["hook"]
+        assert ollama_tokens(s.url, BASE)["prompt_eval_count"] == counts["plain"]
+        assert ollama_tokens(s.url, "hook")["prompt_eval_count"] == counts["hook"]
+        assert len(loads) == 2 and len(s.manager.models) == 2, loads
+        assert sorted(m.info.exact for m in s.manager.models.values()) == [False, True]
 
 
 @requires_llama
@@ -357,10 +374,15 @@ def test_ollamas_load_and_unload_for_a_preset(home: Path) -> None:
 class _Fake:
     """What the manager reads of a loaded chat model, without an engine."""
 
-    kept_cache_bytes = 0
     max_concurrency = 1
-    batch_slots = None
-    batch_reserved_bytes = 0
+
+    def footprint(self, slots: int | None = None) -> Any:
+        """One sequence at a time, counted as its files' estimate (as an engine's)."""
+        from localrun.backends.base import Footprint
+        from localrun.server.sizing import estimate_loaded
+
+        est = estimate_loaded(self.info, None)
+        return Footprint(1, est.total_bytes if est is not None else 0, 0, 0)
 
     def __init__(self, path: str, context: int) -> None:
         from localrun.types import ModelInfo
@@ -388,7 +410,7 @@ def test_an_unload_while_requests_run_takes_effect_when_they_end(home: Path) -> 
     path = str(test_model("gguf-q4_1"))
     loads: list[str] = []
 
-    def load(name: str, config: Any, context: int | None) -> _Fake:
+    def load(name: str, config: Any, context: int | None, target: Any = None) -> _Fake:
         loads.append(name)
         return _Fake(detect(name).path, context or config.context)
 

@@ -201,10 +201,15 @@ class _FakeModel:
     """What the manager reads of a loaded chat model, without an engine: the context
     llama.cpp would report (padded to 256, capped at the trained context)."""
 
-    kept_cache_bytes = 0
     max_concurrency = 1
-    batch_slots = None
-    batch_reserved_bytes = 0
+
+    def footprint(self, slots: int | None = None) -> Any:
+        """One sequence at a time, counted as its files' estimate (as an engine's)."""
+        from localrun.backends.base import Footprint
+        from localrun.server.sizing import estimate_loaded
+
+        est = estimate_loaded(self.info, None)
+        return Footprint(1, est.total_bytes if est is not None else 0, 0, 0)
 
     def __init__(self, path: str, context: int | None) -> None:
         from localrun.memory import context_window
@@ -248,7 +253,7 @@ def test_spellings_and_contexts_share_bounded_copies(gguf_spellings: list[str]) 
 
     loads: list[tuple[str, int | None]] = []
 
-    def load(name: str, config: Any, context: int | None) -> _FakeModel:
+    def load(name: str, config: Any, context: int | None, target: Any = None) -> _FakeModel:
         loads.append((name, context))
         return _FakeModel(detect(name).path, context or config.context)
 
@@ -351,9 +356,9 @@ def test_the_real_server_loads_one_copy_per_file_and_context(
 
     loads: list[str] = []
 
-    def load(name: str, config: Any, context: int | None) -> Any:
+    def load(name: str, config: Any, context: int | None, target: Any = None) -> Any:
         loads.append(name)
-        return _load_chat(name, config, context)
+        return _load_chat(name, config, context, target)
 
     config = _config(parallel=1, context=512)
     rss0 = _rss()
@@ -400,9 +405,9 @@ def test_keep_alive_0_never_unloads_a_pinned_model(gguf_spellings: list[str]) ->
 
     loads: list[str] = []
 
-    def load(name: str, config: Any, context: int | None) -> Any:
+    def load(name: str, config: Any, context: int | None, target: Any = None) -> Any:
         loads.append(name)
-        return _load_chat(name, config, context)
+        return _load_chat(name, config, context, target)
 
     config = _config(parallel=1)
     with localrun.load(gguf_spellings[0], backend="llama.cpp", context=1024,

@@ -174,6 +174,11 @@ def test_400_names_the_unsupported_field(client: Any) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert e.value.body["param"] == "messages[0].content[0].image_url.url"
+    assert "data: URI" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}])
     assert e.value.body["param"] == "messages[0].content[0]"
 
 

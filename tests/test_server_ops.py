@@ -195,8 +195,8 @@ def test_engine_error_is_a_500_and_the_server_stays_up(srv: Running) -> None:
 
         session.generate = failing  # type: ignore[method-assign]
         # one at a time: no batcher is built, so every request runs the failing generate()
-        failing = srv.manager._register("failing", "chat", None, m, 0.0, pinned=True, size=0,
-                                        slots=1)
+        failing = srv.manager._register("failing", "chat", None, m, 0.0, pinned=True,
+                                        held=m.footprint(1))
         try:
             status, _, body = request("POST", srv.v1 + "/chat/completions", {
                 "model": "failing", "messages": [{"role": "user", "content": "Hi"}]})

@@ -50,7 +50,7 @@ def model(request: pytest.FixtureRequest) -> Iterator[Any]:
 
     backend, fmt, options = request.param
     with localrun.load(str(test_model(fmt)), backend=backend, context=1024,
-                       **options) as m:
+                       exact=True, **options) as m:
         m.complete(COUNTING, max_tokens=2, temperature=0)  # first touch of the weights
         yield m
 
@@ -245,10 +245,11 @@ def _load_on_request(config: ServerConfig, path: str, loads: list[str] | None = 
     from localrun.server.manager import ModelManager, _load_chat
     from localrun.server.metrics import Metrics
 
-    def load(name: str, config: ServerConfig, context: int | None) -> Any:
+    def load(name: str, config: ServerConfig, context: int | None,
+             target: Any = None) -> Any:
         if loads is not None:
             loads.append(name)
-        return _load_chat(name, config, context)
+        return _load_chat(name, config, context, target)
 
     config = replace(config, allow_local_paths=True)  # a path, by request
     with serve(config, manager=ModelManager(config, Metrics(), loader=load)) as s:
@@ -279,11 +280,12 @@ def test_llama_cpp_counts_the_batch_context_it_builds() -> None:
         with _load_on_request(replace(base, parallel=parallel), path) as (ps, handle):
             est = estimate_loaded(handle.info, None)
             streams = handle._session._batcher.capacity  # its batch context's KV streams
-            reserved = handle.batch_reserved_bytes
+            reserved = handle._session._batcher.reserved_bytes  # what it allocated
+            held = handle.footprint(want)
         assert need and est is not None and est.kv_cache_bytes > 0
-        assert ps["parallel"] == want == streams  # a stream for each request at once
+        assert ps["parallel"] == want == streams == held.slots  # a stream per request
         assert reserved == want * est.kv_cache_bytes  # each the session's whole context
-        assert ps["size"] == need + reserved
+        assert ps["size"] == need + reserved == held.total  # the engine's own footprint
 
     stream, loads = est.kv_cache_bytes, []
     for room, fit in ((need + 2 * stream, 2), (need + 2 * stream - 1, 1)):
@@ -315,7 +317,9 @@ def test_openvino_counts_one_kv_cache_whatever_runs_at_once(tmp_path: Path) -> N
     one = estimate_path(path, 512, "openvino", "CPU")
     assert need and one is not None and need == one.total_bytes and one.kv_cache_bytes > 0
     with _load_on_request(replace(config, max_memory=need), path) as (ps, handle):
-        assert handle.info.backend == "openvino" and handle.batch_reserved_bytes == 0
+        assert handle.info.backend == "openvino"
+        held = handle.footprint(N)
+    assert held.per_slot == 0 and held.total == need  # one paged KV cache, shared
     assert ps["parallel"] == N and ps["size"] == need
 
 

@@ -100,7 +100,7 @@ def test_shapes_name_the_field_in_their_errors() -> None:
     assert "expected a valid string or a valid list, got 3" in e.message
     e = _refusal(oa.ChatCompletionRequest, {"model": "m", "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]})
-    assert e.param == "messages[0].content[1]" and "only text parts" in e.message
+    assert e.param == "messages[0].content[1]" and "takes text and image_url parts" in e.message
     e = _refusal(oa.ChatCompletionRequest, {"model": "m", "messages": Q, "stream": "yes"})
     assert e.param == "stream" and "valid boolean" in e.message  # no "yes" -> True
     e = _refusal(oa.ChatCompletionRequest, {"model": "m", "messages": Q,

@@ -364,8 +364,8 @@ def test_bad_requests_are_4xx_naming_the_field_and_store_nothing(client: Any,
     before = _stored(home)
     image = {"type": "input_image", "image_url": "data:image/png;base64,aGk="}
     cases: list[tuple[dict[str, Any], str, str]] = [
-        ({"input": [{"role": "user", "content": [image]}]}, "input[0].content[0]",
-         "images are not supported yet"),
+        ({"input": [{"role": "user", "content": [image]}]}, "message 0, image 1",
+         "not a PNG, JPEG, WebP or GIF image"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]",
          "item references"),
         ({"input": [{"type": "file_search_call", "id": "x"}]}, "input[0]", "function_call"),

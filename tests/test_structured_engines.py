@@ -128,7 +128,9 @@ TOOLS = [{"type": "function", "function": {"name": name, "description": desc,
 def engine(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
     backend, fixture = request.param
     _skip_unless_installed(backend)
-    with localrun.load(str(test_model(fixture)), backend=backend, context=2048) as model:
+    # exact: the tests compare one request's reply with another's (streamed and whole)
+    with localrun.load(str(test_model(fixture)), backend=backend, context=2048,
+                       exact=True) as model:
         yield backend, model
 
 

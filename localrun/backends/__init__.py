@@ -24,6 +24,7 @@ from localrun.backends.openvino.facts import SPEC as OPENVINO
 from localrun.backends.remote.facts import SPEC as REMOTE
 from localrun.backends.spec import BackendName, BackendSpec, Build, Option
 from localrun.backends.vllm.facts import SPEC as VLLM
+from localrun.memory import EngineMemory, memory_row
 
 if TYPE_CHECKING:
     from localrun.backends.base import Backend
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BACKENDS", "BACKEND_ALIASES", "ENGINES", "ENGINE_OPTIONS", "BackendName",
            "BackendSpec", "Build", "Option", "build_devices", "canonical_backend",
-           "engine_options", "engine_version", "get_backend",
+           "engine_memory", "engine_options", "engine_version", "get_backend",
            "install_hint", "installed_backends", "installed_build", "is_installed",
            "not_installed"]
 
@@ -43,6 +44,13 @@ BACKENDS: dict[str, BackendSpec] = {s.name: s for s in ENGINES}
 
 #: Other spellings users type for --backend (each engine's ``aliases``).
 BACKEND_ALIASES: dict[str, str] = {a: s.name for s in BACKENDS.values() for a in s.aliases}
+
+
+def engine_memory(backend: str | None, device: str | None = None) -> EngineMemory:
+    """What the engine named ``backend`` allocates besides its weights on ``device`` (None:
+    its default device): its own facts' row (:func:`localrun.memory.memory_row`), else
+    the safe default for an engine unknown here (f16, the full fixed overhead)."""
+    return memory_row(BACKENDS.get(backend) if backend is not None else None, device)
 
 
 def canonical_backend(name: str) -> str:

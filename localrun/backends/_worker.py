@@ -82,14 +82,16 @@ class Relay(Generic[R]):
     """
 
     def __init__(self) -> None:
-        self._out: queue.SimpleQueue[str | _End] = queue.SimpleQueue()
+        self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()  # pieces, then an _End
         self._halt = threading.Event()
         self._end: _End | None = None
         self._thread: threading.Thread | None = None
 
     # -- engine side ----------------------------------------------------------------------
 
-    def put(self, piece: str) -> None:
+    def put(self, piece: Any) -> None:
+        """One piece: text, or what the caller makes text of (OpenVINO's VLM path sends
+        token ids and detokenizes on the caller's thread)."""
         self._out.put(piece)
 
     @property
@@ -117,7 +119,7 @@ class Relay(Generic[R]):
 
     # -- caller side ----------------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[Any]:
         """The pieces, until the job ends."""
         while self._end is None:
             item = self._out.get()

@@ -12,13 +12,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
+from localrun.adapters import Adapter
 from localrun.errors import LocalrunError
 from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
 from localrun.types import CancelToken, FinishReason, Message, ModelInfo, TokenLogprob
+
+if TYPE_CHECKING:
+    from localrun.images import Image
+    from localrun.memory import EngineMemory, MemoryEstimate, MemoryRows
 
 
 @dataclass(frozen=True)
@@ -29,12 +35,29 @@ class LoadRequest:
     device: str | None = None  # e.g. "CPU", "GPU.1", "cuda:0"; None: the backend decides
     threads: int | None = None
     options: Mapping[str, Any] = field(default_factory=dict)  # engine-specific extras
+    #: an engine's progress while it starts, where that takes long (vLLM: a minute or
+    #: more; ``localrun.backends.vllm.Startup`` reports); None: its log
+    on_startup: Callable[[Any], None] | None = None
+    #: LoRA adapters to load with the model (checked: there, scales in range, this
+    #: engine's kind; ``localrun.adapters``); an engine without adapters gets none
+    adapters: tuple[Adapter, ...] = ()
+    #: speculative decoding (types.SpeculativeMode); None: the engine's default ("auto"
+    #: where it speculates)
+    speculative: str | None = None
+    #: the draft model's path (speculative="draft"), already checked to exist
+    draft_model: str | None = None
+    #: ``load(exact=True)``: replies that do not depend on what ran before (the cache,
+    #: the batch) at some speed; False: the engine's fastest (README, "Speed")
+    exact: bool = False
 
 
 @dataclass(frozen=True)
 class Prompt:
     tokens: Sequence[int]
     text: str | None = None  # the rendered text, for engines that take text
+    #: the images of the prompt as the engine takes them (llama.cpp: its mtmd chunks;
+    #: OpenVINO: tensors), made by :meth:`Session.attach_images`; None: text alone
+    media: Any = field(default=None, kw_only=True)
 
 
 @dataclass
@@ -57,6 +80,52 @@ class GenerationStats:
     #: it hands over that token's text piece, and one for the end-of-sequence token when
     #: it ends on one; None: not asked (the engine does no work for it)
     logprobs: list[TokenLogprob] | None = None
+    #: speculative decoding: tokens drafted, and how many of them were kept
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a loaded engine holds in memory (bytes) with ``slots`` sequences running at
+    once (:meth:`Session.footprint`, ``Model.footprint``): ``fixed + slots * per_slot +
+    kept`` in all (:attr:`total`)."""
+
+    #: sequences it runs at once: those asked for, at most what its engine runs
+    slots: int
+    #: held whatever runs: weights, overhead, the context's KV cache, and a batch
+    #: context's reserve where one is built already (llama.cpp's)
+    fixed: int
+    #: what each of those slots adds: a KV stream a batch context will reserve (llama.cpp,
+    #: before it is built), a KV cache that grows with its sequence (MLX); 0 where the
+    #: sequences share the context's KV cache (OpenVINO's pages, ExLlama's cache)
+    per_slot: int
+    #: kept between calls for KV reuse beyond the KV caches above (MLX's prompt caches);
+    #: 0 where the cells it reuses are in a KV cache counted already (llama.cpp, OpenVINO)
+    kept: int
+
+    @property
+    def running(self) -> int:
+        """Bytes it holds to run :attr:`slots` at once, less what it keeps between calls."""
+        return self.fixed + self.slots * self.per_slot
+
+    @property
+    def total(self) -> int:
+        return self.running + self.kept
+
+
+def loaded_estimate(info: ModelInfo, engine: EngineMemory) -> MemoryEstimate | None:
+    """A loaded model's memory for one sequence: :func:`localrun.memory.local_estimate` of
+    its path at the context it loaded with, by its engine's row ``engine``, and its LoRA
+    adapters' files; None when its files cannot be read (a model on a server)."""
+    from localrun.adapters import adapters_bytes
+    from localrun.memory import local_estimate
+
+    try:
+        est = local_estimate(Path(info.path), info.context_length, engine=engine)
+    except (OSError, ValueError, LocalrunError):
+        return None
+    return replace(est, adapter_bytes=adapters_bytes(info.adapters)) if info.adapters else est
 
 
 class Batcher(ABC):
@@ -157,11 +226,31 @@ class Session(ABC):
         :attr:`features`."""
         raise NotImplementedError(f"{type(self).__name__} has no prompt log probabilities")
 
+    def use_adapters(self, active: tuple[tuple[str, float], ...] | None) -> None:  # noqa: B027
+        """Put the adapter set ``active`` (``ResolvedSampling.adapters``) on before
+        :meth:`prompt_logprobs` (``generate`` and a Batcher read it from the sampling).
+        Only engines with per-request adapters ("adapters" in :attr:`features`) act."""
+
     def encode_ids(self, tokens: Sequence[int]) -> Prompt:
         """A prompt given as token ids, used as they are (no BOS added); raises a
         LocalrunError for an id outside the vocabulary. Only asked where "tokens" is in
         :attr:`features`."""
         raise NotImplementedError(f"{type(self).__name__} takes no token-id prompts")
+
+    #: whether :meth:`attach_images` takes images (a vision model on an engine that runs it)
+    accepts_images: bool = False
+
+    def attach_images(self, prompt: Prompt, images: Sequence[Image]) -> Prompt:
+        """The prompt with its images: ``prompt.text`` holds :data:`localrun.images.MARKER`
+        where each goes. A prompt with media runs through :meth:`generate` alone (never
+        the batcher). An engine or model without a vision path raises
+        ImagesUnsupportedError, before anything runs."""
+        from localrun.images import NO_VISION, ImagesUnsupportedError
+
+        backend = self.info.backend
+        raise ImagesUnsupportedError(backend, NO_VISION.get(backend, "localrun runs no vision "
+                                     "model on this engine (or this model has no vision "
+                                     "part)"))
 
     def batcher(self) -> Batcher | None:
         """This session's engine batcher, created on first use and kept; None: the engine
@@ -169,18 +258,39 @@ class Session(ABC):
         it too."""
         return None
 
-    def batch_slots(self) -> tuple[int, int] | None:
-        """For an engine whose batcher holds memory per slot from the moment it is built
-        (llama.cpp's KV streams): the slots it would build now, within
-        :attr:`max_concurrency`, and the bytes each holds beyond the session's own,
-        without building it, so that a caller can size it first. None: building it
-        holds nothing up front (its ``capacity`` and ``reserved_bytes`` say the rest)."""
-        return None
+    #: The engine's own facts (its package's ``facts.SPEC``): their memory rows size the
+    #: model's weights, overhead and KV cache in :meth:`footprint`.
+    memory_facts: MemoryRows | None = None
 
-    #: Most memory (bytes) the session keeps between calls beyond its own KV cache, for
-    #: KV reuse: MLX's prompt caches of recent calls; 0 where the cells it reuses are in
-    #: a KV cache counted already (llama.cpp's context and batch slots, OpenVINO's pages).
-    kept_cache_bytes: int = 0
+    def estimate(self) -> MemoryEstimate | None:
+        """The loaded model's memory for one sequence: weights, overhead, one KV cache of
+        its context, on its device by its engine's row, and its LoRA adapters' files
+        (:func:`loaded_estimate`); None when its files cannot be read."""
+        from localrun.memory import memory_row
+
+        return loaded_estimate(self.info, memory_row(self.memory_facts, self.info.device))
+
+    def footprint(self, slots: int | None = None) -> Footprint:
+        """What the engine holds (bytes) with ``slots`` sequences running at once (None:
+        as many as it runs, within :attr:`max_concurrency`): the one memory contract.
+        The result's ``slots`` are those it would run (at most its batcher's capacity; 1
+        without one). An engine whose batcher holds memory per slot from the moment it is
+        built (llama.cpp's KV streams) answers without building it, so that a caller can
+        size it first; any other may be built here to learn its capacity (that holds
+        nothing up front).
+
+        This default reads the batcher's :attr:`Batcher.reserved_bytes`: a fixed reserve
+        (0: the sequences share the context's KV cache) goes into ``fixed``; None (each
+        sequence's cache grows with it) makes each slot one KV cache of the context."""
+        est = self.estimate()
+        one, kv = (est.total_bytes, est.kv_cache_bytes) if est is not None else (0, 0)
+        batcher = self.batcher() if slots is None or slots > 1 else None
+        if batcher is None:
+            return Footprint(1, one, 0, 0)
+        n = min(slots or batcher.capacity, batcher.capacity)
+        if batcher.reserved_bytes is None:
+            return Footprint(n, one - kv, kv, 0)
+        return Footprint(n, one + batcher.reserved_bytes, 0, 0)
 
     #: Most sequences the session's user will run at once (``load(max_concurrency=)``,
     #: ``Model.limit_concurrency``), set by the driver before it first asks for the
@@ -253,4 +363,7 @@ class SessionBackend:
         self.session = session
 
     def load(self, request: LoadRequest) -> Session:
-        return self.session(request)
+        session = self.session(request)
+        if request.exact and not session.info.exact:  # the mode the Model shows
+            session.info = replace(session.info, exact=True)
+        return session

@@ -6,12 +6,13 @@ The other per-engine tables are derived from those facts (``localrun.backends``'
 ``ENGINE_OPTIONS`` and ``BACKEND_ALIASES``; ``backends.compat``'s ``COMPAT``,
 ``CONDITIONS``, ``CONVERT`` and ``NATIVE_FORMAT``; ``hosts.MIN_COMPUTE``;
 ``selection.QUANT_PREFERENCE``; ``hub.fit.DEFAULT_TARGET`` and ``DEFAULT_TARGET_NAMES``;
-``memory.engine_memory``; ``backends.exllama.options``' ``ENGINE_TITLES`` and
+``backends.engine_memory``; ``backends.exllama.options``' ``ENGINE_TITLES`` and
 ``OPTIONS``), and tests/test_backend_spec.py fails when one drifts. What depends on a
 host rather than on one engine stays in its own table: which engine each kind of host
 tries first (``selection.RULES``).
 
-Pure data: importing this module imports no engine and nothing else of localrun's.
+Pure data: importing this module imports no engine, and of localrun's only the type of a
+memory row (:class:`localrun.memory.EngineMemory`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
+
+from localrun.memory import OVERHEAD_FIXED, EngineMemory, MiB
 
 BackendName = Literal["llama.cpp", "mlx", "exllamav2", "exllamav3", "openvino", "onnx",
                       "vllm", "remote"]
@@ -40,9 +43,8 @@ Home = Literal["here", "own-env", "nowhere"]
 #: "no": refused, naming the engines that run it and how to get the right variant.
 Support = Literal["native", "loads", "no"]
 
-MiB = 2**20
-#: Fixed cost on top of the weights: compute buffers, runtime, tokenizer (bytes).
-OVERHEAD_FIXED = 256 * MiB
+__all__ = ["OVERHEAD_FIXED", "BackendName", "BackendSpec", "Build", "Condition",
+           "EngineMemory", "Home", "MiB", "Option", "OptionKind", "Support", "needs_compute"]
 
 
 @dataclass(frozen=True)
@@ -66,14 +68,6 @@ class Condition:
     architectures: tuple[str, ...] | None = None  # GGUF general.architecture values
     quantizations: tuple[str, ...] | None = None  # detected quantization names
     min_version: str | None = None  # engine version where this started to work
-
-
-@dataclass(frozen=True)
-class EngineMemory:
-    """What an engine allocates besides its weights, as localrun loads it on a device."""
-
-    kv_element_bytes: int | None  # bytes per K or V element; None: the model's dtype
-    overhead_fixed: int = OVERHEAD_FIXED  # runtime, tokenizer, compute buffers (bytes)
 
 
 def needs_compute(cc: tuple[int, int]) -> str:

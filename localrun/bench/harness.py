@@ -22,6 +22,7 @@ from localrun.bench.prompts import Prompts
 from localrun.bench.report import (
     SCHEMA_VERSION,
     BenchReport,
+    ImageResult,
     MemoryResult,
     ModelContext,
     PrefixCacheResult,
@@ -47,11 +48,13 @@ GREEDY: dict[str, Any] = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p":
 Progress = Callable[[str], None]
 
 
-def measure_stream(model: Model, text: str, gen_tokens: int) -> RequestSample:
+def measure_stream(model: Model, text: str, gen_tokens: int,
+                   speculative: str | None = None) -> RequestSample:
     """One raw greedy request through ``Model.stream``, timestamping each chunk."""
     t0 = time.perf_counter()
     first = 0.0
-    with model.stream(text, raw=True, max_tokens=gen_tokens, **GREEDY) as stream:
+    extra: dict[str, Any] = {"speculative": speculative} if speculative else {}
+    with model.stream(text, raw=True, max_tokens=gen_tokens, **GREEDY, **extra) as stream:
         for chunk in stream:
             if not first and chunk.text:
                 first = time.perf_counter()
@@ -62,7 +65,8 @@ def measure_stream(model: Model, text: str, gen_tokens: int) -> RequestSample:
     n = c.usage.completion_tokens
     return RequestSample(c.usage.prompt_tokens, n, ttft, end - t0, tpot(end - t0, ttft, n),
                          c.timings.ttft, c.timings.prefill_tps, c.timings.decode_tps,
-                         c.finish_reason, 0.0)
+                         c.finish_reason, 0.0, c.timings.drafted_tokens,
+                         c.timings.accepted_tokens)
 
 
 def measure_round(model: Model, texts: Sequence[str], gen_tokens: int,
@@ -124,6 +128,18 @@ def bench_model(model: Model, target: Target, config: BenchConfig, bandwidth: Ba
         cold: WorkloadResult | None = None
         for c in config.concurrency:
             say(f"{label}: prompt {p} tokens, concurrency {c}, {config.runs} run(s)")
+            if c == 1 and config.speculative:  # each mode on the same prompts
+                texts = [prompts.make(p) for _ in range(config.runs)]
+                for spec in config.speculative:
+                    t = time.perf_counter()
+                    samples = [measure_stream(model, text, gen, spec) for text in texts]
+                    workloads.append(summarize_workload(
+                        samples, prompt_tokens=p, gen_tokens=gen, concurrency=c,
+                        wall_s=time.perf_counter() - t, mode=f"stream, speculative {spec}",
+                        weight_bytes=weight_bytes, bandwidth_bytes_per_s=bw,
+                        speculative=spec))
+                cold = workloads[-len(config.speculative)]
+                continue
             if c == 1:
                 texts = [prompts.make(p) for _ in range(config.runs)]
                 t = time.perf_counter()
@@ -150,11 +166,28 @@ def bench_model(model: Model, target: Target, config: BenchConfig, bandwidth: Ba
         if config.shared_prefix:
             say(f"{label}: shared prefix, prompt {p}")
             prefix.append(_prefix_cache(model, prompts, p, gen, config.runs, cold))
+    images: tuple[ImageResult, ...] = ()
+    if config.image is not None:
+        say(f"{label}: image {config.image}")
+        images = (_image(model, config, label),)
     _, peak = rss_bytes()
     rss_before, scoped = memory_start
     memory = MemoryResult(rss_before, rss_after_load, peak, "model" if scoped else "process",
                           max(vram) if vram else None)
-    return RunResult(ctx, memory, tuple(workloads), tuple(prefix))
+    return RunResult(ctx, memory, tuple(workloads), tuple(prefix), images)
+
+
+def _image(model: Model, config: BenchConfig, label: str) -> ImageResult:
+    from localrun.bench.images import measure_image
+    from localrun.images import read_image
+
+    assert config.image is not None
+    session = model._session
+    if session is None or not session.accepts_images:
+        raise BenchError(f"{label} takes no images: --image needs a vision model",
+                         hint="bench a GGUF with its mmproj beside it, or an OpenVINO VLM")
+    return measure_image(model, read_image(config.image), config.image, config.gen_tokens,
+                         config.runs, config.warmup, GREEDY)
 
 
 def _prefix_cache(model: Model, prompts: Prompts, p: int, gen: int, runs: int,
@@ -190,6 +223,8 @@ def run_bench(config: BenchConfig, *, progress: Progress | None = None) -> Bench
     load_start = loadavg()
     targets, skipped = plan_targets(config.models, config.backend)
     need = max(config.prompt_tokens) + config.gen_tokens + 8
+    if config.image is not None:  # an image takes up to 1024 tokens (the default budget)
+        need = max(need, 1024 + 64 + config.gen_tokens + 8)
     for t in targets:
         trained = t.detected.context_length
         if trained and need > trained:
@@ -212,7 +247,8 @@ def run_bench(config: BenchConfig, *, progress: Progress | None = None) -> Bench
         rss_before, _ = rss_bytes()
         t0 = time.perf_counter()
         try:
-            model = load(t.detected.path, backend=t.backend, context=need)
+            model = load(t.detected.path, backend=t.backend, context=need,
+                         exact=config.exact)
         except (LocalrunError, ImportError) as e:
             if config.backend != "all":
                 raise
@@ -233,5 +269,6 @@ def run_bench(config: BenchConfig, *, progress: Progress | None = None) -> Bench
     return BenchReport(SCHEMA_VERSION, localrun.__version__, date,
                        host_context(hw, load_start, load_end), bandwidth,
                        Workload(config.prompt_tokens, config.gen_tokens, config.concurrency,
-                                config.runs, config.warmup, config.shared_prefix),
+                                config.runs, config.warmup, config.shared_prefix,
+                                config.image),
                        tuple(results), tuple(skipped), tuple(notes))

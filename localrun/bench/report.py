@@ -31,6 +31,8 @@ class RequestSample:
     reported_decode_tps: float
     finish_reason: str
     start_s: float  # when the engine took it up
+    drafted_tokens: int = 0  # speculative decoding: drafts, and the ones kept
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,17 @@ class WorkloadResult:
     prompt_tokens_exact: bool
     roofline_share: float | None
     samples: tuple[RequestSample, ...]
+    #: the requests' speculative mode (bench --speculative), and the share of their
+    #: drafts kept; None: not asked
+    speculative: str | None = None
+    acceptance: float | None = None
 
 
 def summarize_workload(samples: Sequence[RequestSample], *, prompt_tokens: int,
                        gen_tokens: int, concurrency: int, wall_s: float, mode: str,
                        weight_bytes: int | None = None,
-                       bandwidth_bytes_per_s: float | None = None) -> WorkloadResult:
+                       bandwidth_bytes_per_s: float | None = None,
+                       speculative: str | None = None) -> WorkloadResult:
     """Aggregate request samples into the workload's figures."""
     if not samples:
         raise ValueError("no samples")
@@ -75,6 +82,7 @@ def summarize_workload(samples: Sequence[RequestSample], *, prompt_tokens: int,
     rep_dec = [s.reported_decode_tps for s in samples if s.reported_decode_tps > 0]
     outs = [s.output_tokens for s in samples]
     decode_tps = median(decode)
+    drafted = sum(s.drafted_tokens for s in samples)
     return WorkloadResult(
         prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, concurrency=concurrency,
         requests=len(samples), mode=mode, wall_s=wall_s,
@@ -93,6 +101,8 @@ def summarize_workload(samples: Sequence[RequestSample], *, prompt_tokens: int,
         prompt_tokens_exact=all(s.prompt_tokens == prompt_tokens for s in samples),
         roofline_share=roofline_share(weight_bytes, decode_tps, bandwidth_bytes_per_s),
         samples=tuple(samples),
+        speculative=speculative,
+        acceptance=sum(s.accepted_tokens for s in samples) / drafted if drafted else None,
     )
 
 
@@ -135,11 +145,27 @@ class ModelContext:
 
 
 @dataclass(frozen=True)
+class ImageResult:
+    """One image on one model: its tokens, and TTFT with and without it."""
+
+    image: str  # the file, as named
+    width: int
+    height: int
+    image_tokens: int  # prompt tokens with the image minus without
+    text_ttft: Summary  # the question alone
+    image_ttft: Summary  # the question and the image
+    encode_s: Summary | None  # the engine's own image-encode time; None: not reported
+    #: (image TTFT - text TTFT - encode) / image tokens, p50s (seconds per token)
+    prefill_per_image_token_s: float | None
+
+
+@dataclass(frozen=True)
 class RunResult:
     model: ModelContext
     memory: MemoryResult
     workloads: tuple[WorkloadResult, ...]
     prefix_cache: tuple[PrefixCacheResult, ...]
+    images: tuple[ImageResult, ...] = ()  # with --image
 
 
 @dataclass(frozen=True)
@@ -172,6 +198,7 @@ class Workload:
     runs: int
     warmup: int
     shared_prefix: bool
+    image: str | None = None  # --image: the file whose cost is measured (bench/images.py)
     prompt_kind: str = "synthetic words, raw completion (no chat template)"
     sampling: str = "greedy: temperature 0, top_k 0, top_p 1, min_p 0, repetition_penalty 1"
 

@@ -23,7 +23,11 @@ class BenchConfig:
     runs: int = 5
     warmup: int = 1
     shared_prefix: bool = False
+    image: str | None = None  # --image FILE: an image request against the same text alone
+    #: speculative modes compared at concurrency 1 (bench --speculative off,auto)
+    speculative: tuple[str, ...] = ()
     bandwidth_bytes: int | None = None  # None: sized from the last-level cache
+    exact: bool = False  # --exact: load(exact=True) (README, "Speed")
 
     def validate(self) -> None:
         def positive(name: str, values: Sequence[int], least: int = 1) -> None:
@@ -40,6 +44,10 @@ class BenchConfig:
         positive("--concurrency", self.concurrency)
         positive("--runs", [self.runs])
         positive("--warmup", [self.warmup], least=0)
+        if self.image is not None:
+            from localrun.images import read_image
+
+            read_image(self.image, f"--image {self.image}")  # an ImageError names it
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ def _value_name(param: Any) -> str:
 
 def _tidy(param: Any) -> None:
     """A flag takes no value: no ``<bool>`` after it. A repeatable option takes one
-    value each time: ``<str>``, not ``<list[str]>``. An argument is named in capitals
+    value each time: ``<str>``, not ``<list[str]>``; an argument that takes several
+    values, ``<str>...``. An argument is named in capitals
     (``MODEL``), as the usage line and errors show it. (Duck-typed: typer builds on
     click, or on its own copy of it from 0.22.)"""
     if param.metavar is not None:
@@ -48,6 +49,10 @@ def _tidy(param: Any) -> None:
             param.metavar = f"<{_value_name(param)}>"
     elif kind == "argument" and param.name:
         param.metavar = param.name.upper()
+        if param.nargs != 1 and callable(getattr(param, "display_type_rich", None)):
+            # several values: "<str>..." in the type column, not "<list[str]>"
+            each = f"<{_value_name(param)}>..."
+            param.display_type_rich = lambda ctx: each
 
 
 class Command(TyperCommand):

@@ -4,7 +4,6 @@ then (a log or CI output would fill with one line per second)."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from types import TracebackType
 from typing import Any
@@ -14,14 +13,13 @@ EVERY = 10.0
 
 
 class StartupLine:
-    """Context manager: while it is open, a vLLM that ``localrun.load`` starts on this
-    thread reports here (``localrun.backends.vllm.startup_progress``)."""
+    """Context manager: while it is open, :meth:`report` (``localrun.load``'s
+    ``on_startup``) shows a starting vLLM's progress; it ends the line on close."""
 
     def __init__(self, console: Any) -> None:
         self._console = console
         self._status: Any = None
         self._last = -EVERY
-        self._scope: contextlib.ExitStack | None = None
 
     def report(self, p: Any) -> None:
         """One ``localrun.backends.vllm.Startup``."""
@@ -42,10 +40,6 @@ class StartupLine:
             self._console.print(escape(text), soft_wrap=True)
 
     def __enter__(self) -> StartupLine:
-        from localrun.backends.vllm import startup_progress
-
-        self._scope = contextlib.ExitStack()
-        self._scope.enter_context(startup_progress(self.report))
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
@@ -53,6 +47,3 @@ class StartupLine:
         if self._status is not None:
             self._status.stop()
             self._status = None
-        if self._scope is not None:
-            self._scope.close()
-            self._scope = None

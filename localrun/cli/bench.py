@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from localrun.cli.options import Exact
+
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
@@ -38,11 +40,20 @@ def bench(
     shared_prefix: Annotated[bool, typer.Option(
         "--shared-prefix", help="Also measure TTFT when consecutive prompts share all "
         "but their last tokens (prefix caching).")] = False,
+    image: Annotated[Path | None, typer.Option(
+        "--image", help="Also measure what this image costs a vision model: its tokens, "
+        "TTFT with and without it, the engine's encode time, prefill per image token.")
+    ] = None,
+    speculative: Annotated[str | None, typer.Option(
+        "--speculative", help="Speculative decoding modes to compare at concurrency 1, "
+        "comma-separated, each on the same prompts: off, auto, prompt-lookup, draft "
+        "(e.g. off,auto).")] = None,
     json_file: Annotated[Path | None, typer.Option(
         "--json", help="Write the full report as JSON (schema: docs/bench.md).")] = None,
     plot_file: Annotated[Path | None, typer.Option(
         "--plot", help="Write latency percentiles and throughput vs concurrency as a "
         "self-contained HTML file.")] = None,
+    exact: Exact = False,
 ) -> None:
     """Benchmark models: TTFT, TPOT and end-to-end latency (p50/p95/p99), prefill and
     decode tokens/s, requests/s and tokens/s per concurrency level, peak memory, and
@@ -56,6 +67,9 @@ def bench(
       localrun bench m.gguf m-mlx/ m-ov/ m-onnx/ --backend all --json b.json --plot b.html
 
       localrun bench smollm2:135m --shared-prefix --runs 10
+
+      localrun bench ./qwen2.5-vl.gguf --image photo.png --prompt-tokens 128
+      localrun bench model.F32.gguf --speculative off,auto --concurrency 1
     """
     from localrun.bench import BenchConfig, parse_int_list, run_bench, write_plot
     from localrun.errors import BenchError
@@ -67,7 +81,9 @@ def bench(
         models=tuple(models), backend=backend.strip().lower(),
         prompt_tokens=parse_int_list(prompt_tokens, "--prompt-tokens"),
         gen_tokens=gen_tokens, concurrency=parse_int_list(concurrency, "--concurrency"),
-        runs=runs, warmup=warmup, shared_prefix=shared_prefix)
+        runs=runs, warmup=warmup, shared_prefix=shared_prefix,
+        image=str(image) if image is not None else None,
+        speculative=_modes(speculative), exact=exact)
     config.validate()
     from rich.console import Console
 
@@ -86,6 +102,16 @@ def bench(
     if plot_file is not None:
         write_plot(report, plot_file)
         err.print(f"plot: {_e(plot_file)}")
+
+
+def _modes(text: str | None) -> tuple[str, ...]:
+    """--speculative off,auto -> ("off", "auto"), each checked (the list in the error)."""
+    from localrun.sampling import check_speculative
+
+    if text is None:
+        return ()
+    modes = [check_speculative(part) for part in text.split(",")]
+    return tuple(dict.fromkeys(m for m in modes if m is not None))
 
 
 def _e(value: object) -> str:
@@ -177,7 +203,9 @@ def _run_table(console: Console, r: RunResult) -> None:
         tokens = (f"{wl.output_tokens_mean:.0f}/{wl.gen_tokens}" if wl.short_requests
                   else f"{wl.gen_tokens}")
         exact = "" if wl.prompt_tokens_exact else "*"
-        values = (f"{wl.prompt_tokens}{exact}", str(wl.concurrency), wl.mode,
+        mode = wl.mode if wl.acceptance is None else \
+            f"{wl.mode} ({wl.acceptance:.0%} of drafts kept)"
+        values = (f"{wl.prompt_tokens}{exact}", str(wl.concurrency), mode,
                   _ms(wl.ttft), _ms(wl.tpot), _ms(wl.e2e, 1.0),
                   _num(wl.prefill_tokens_per_s), _num(wl.decode_tokens_per_s),
                   _num(wl.requests_per_s, ".2f"), _num(wl.output_tokens_per_s),
@@ -195,6 +223,14 @@ def _run_table(console: Console, r: RunResult) -> None:
         console.print(f"  shared prefix ({pc.shared_prefix_tokens} of {pc.prompt_tokens} "
                       f"tokens): TTFT p50 {pc.cold_ttft.p50 * 1000:.1f} ms cold -> "
                       f"{pc.warm_ttft.p50 * 1000:.1f} ms warm, {pc.ttft_gain:.2f}x")
+    for im in r.images:
+        encode = (f", encode {im.encode_s.p50 * 1000:.1f} ms" if im.encode_s is not None
+                  else ", encode n/a")
+        per = (f", prefill {im.prefill_per_image_token_s * 1000:.2f} ms per image token"
+               if im.prefill_per_image_token_s is not None else "")
+        console.print(f"  image {_e(im.image)} ({im.width}x{im.height}, {im.image_tokens} "
+                      f"tokens): TTFT p50 {im.text_ttft.p50 * 1000:.1f} ms without -> "
+                      f"{im.image_ttft.p50 * 1000:.1f} ms with it{encode}{per}")
     if any(wl.short_requests for wl in r.workloads):
         console.print("  tokens a/b: the model stopped at end-of-sequence before b tokens "
                       "in some requests (mean a); TPOT uses the actual counts")

@@ -24,6 +24,7 @@ Commands:
   /reset         forget the conversation (keeps the system prompt)
   /system TEXT   set the system prompt and start over
   /stats         tokens, time to first token and speed of the last reply
+  /image PATH    attach an image file to your next message (a vision model)
   /exit          leave (or Ctrl-D)
 Multi-line input: end a line with \\ to continue it, or wrap the text in \"\"\" lines.
 Ctrl-C stops the reply being generated (/stats then says "cancelled"); keys typed
@@ -198,6 +199,7 @@ def _dim(line: str) -> None:
 @o.with_groups
 def chat(
     model: o.ModelArg = None,
+    adapter: o.AdapterOpt = None,
     *,
     sampling: o.SamplingFlags,
     prompting: o.PromptFlags,
@@ -220,11 +222,14 @@ def chat(
 
       localrun chat smollm2:135m --system "Answer in one sentence."
 
+      localrun chat ./model.gguf --adapter ./style-lora.gguf
+
       echo "What is the capital of France?" | localrun chat
     """
     from localrun.cli._input import CONVERT, bad_byte_message, check_text, read_stdin
     from localrun.cli._typeahead import TypeAhead, clear_prefill, prefill
     from localrun.errors import ContextOverflowError, LocalrunError
+    from localrun.images import ImagesUnsupportedError, read_image
 
     options = sampling.kwargs()
     structured = prompting.structured()
@@ -232,16 +237,18 @@ def chat(
     template = prompting.template()
     convert = f"convert it first: {CONVERT} FILE | localrun chat"
     prompting.check_system()
+    adapters = o.read_adapters(adapter)  # checked before any input is read
     interactive = sys.stdin.isatty()
     if not interactive:
         text = read_stdin(hint=convert)
         if not text.strip():
             raise LocalrunError("No input on stdin", hint='echo "your question" | localrun chat')
 
-    with loading.load(model, remote, chat_template=template) as m:
+    with loading.load(model, remote, chat_template=template, adapters=adapters) as m:
         if "max_tokens" not in options and _is_embedded(m):
             options["max_tokens"] = EMBEDDED_CHAT_MAX_TOKENS
-        history: list[dict[str, str]] = []
+        history: list[dict[str, Any]] = []
+        pending: list[Any] = []  # /image: images for the next message
         system_prompt = prompting.system
 
         def conversation() -> list[Any]:
@@ -305,10 +312,20 @@ def chat(
                                      if system_prompt else "System prompt removed.\n")
                 elif cmd == "/stats":
                     sys.stderr.write(_stats(last) + "\n")
+                elif cmd == "/image":
+                    try:
+                        pending.append(read_image(arg.strip(), f"/image {arg.strip()}"))
+                        im = pending[-1]
+                        sys.stderr.write(f"Image attached ({im.format.upper()}, {im.width}x"
+                                         f"{im.height}): it goes with your next message.\n")
+                    except LocalrunError as e:
+                        sys.stderr.write(f"error: {e.message}\n  hint: {e.hint}\n")
                 else:
                     sys.stderr.write(f"Unknown command {cmd}; /help lists them.\n")
                 continue
-            history.append({"role": "user", "content": message})
+            history.append({"role": "user", "content": message,
+                            **({"images": pending} if pending else {})})
+            pending = []
             stream = m.stream(conversation(), **structured, **options)
             reply = _Reply()
             keys = TypeAhead()
@@ -326,6 +343,10 @@ def chat(
             except ContextOverflowError as e:
                 history.pop()
                 sys.stderr.write(f"error: {e.message}\n  hint: /reset to start over\n")
+                continue
+            except ImagesUnsupportedError as e:  # the message is dropped, the chat goes on
+                history.pop()
+                sys.stderr.write(f"error: {e.message}\n  hint: {e.hint}\n")
                 continue
             finally:
                 stream.close()

@@ -37,9 +37,7 @@ def create(
         "ADAPTER, MESSAGE lines, as an Ollama Modelfile); flags given too win over it.",
         show_default=False)] = None,
     system: SystemOpt = None,  # type: ignore[valid-type]
-    adapter: Annotated[list[str] | None, typer.Option(
-        "--adapter", help="A LoRA adapter to load with the model, PATH[:SCALE] "
-        "(repeatable).", show_default=False)] = None,
+    adapter: o.AdapterOpt = None,
     *,
     sampling: o.SamplingFlags,
     loading: o.LoadingFlags,
@@ -77,6 +75,7 @@ def create(
     from localrun.errors import LocalrunError
     from localrun.naming import presetfile, presets
 
+    loading.no_speculation("create")
     if from_ is None and file is None:
         raise LocalrunError("Nothing to make the preset from",
                             hint=f"localrun create {name} --from MODEL, or -f FILE")
@@ -94,7 +93,7 @@ def create(
         context=loading.context if loading.context is not None else spec.context,
         backend=loading.backend if loading.backend != "auto" else spec.backend,
         allow_unoptimized=loading.allow_unoptimized or spec.allow_unoptimized,
-        adapters=adapters, messages=spec.messages)
+        adapters=adapters, messages=spec.messages, exact=loading.exact)
     old = presets.save(preset)
     say = typer.echo
     say(f"{'Replaced' if old else 'Created'} preset {preset.name}: {summary(preset)}")
@@ -116,6 +115,8 @@ def summary(p: Any) -> str:
         parts.append(f"backend {p.backend}")
     if p.allow_unoptimized:
         parts.append("allow unoptimized")
+    if p.exact:
+        parts.append("exact")
     parts += [f"adapter {a.display}" for a in p.adapters]
     if p.messages:
         parts.append(f"{len(p.messages)} example message{'s' * (len(p.messages) > 1)}")

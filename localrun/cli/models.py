@@ -181,7 +181,7 @@ def rm(
         for k in removal.kept:
             more = f"; to remove it: {k.command}" if k.command else ""
             say(f"  {k.what} ({mib(k.size)}): {k.reason}{more}")
-    if not yes and not typer.confirm("Proceed?", err=True):
+    if not yes and not _confirm("Proceed?"):
         raise typer.Exit(1)
     freed = hub.remove(removal)
     if removal.files:
@@ -190,6 +190,20 @@ def rm(
             f"{', '.join(removal.repos)} ({mib(freed)} freed)")
     else:
         say(f"Nothing deleted; forgot {', '.join(removal.forgets)}")
+
+
+def _confirm(question: str) -> bool:
+    """Ask on stderr. End of input (a pipe, a script) is no answer: nothing is removed,
+    and one line says so and how to answer ahead (click reads it as an abort)."""
+    try:
+        return typer.confirm(question, err=True)
+    except typer.Abort as e:
+        if not isinstance(e.__context__, EOFError):
+            raise  # Ctrl-C: "interrupted"
+        sys.stderr.write("\nerror: no answer (end of input): nothing removed\n"
+                         "  hint: answer y at the prompt, or pass --yes to remove "
+                         "without asking\n")
+        return False
 
 
 def register(app: typer.Typer) -> None:

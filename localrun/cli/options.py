@@ -32,6 +32,16 @@ ModelArg = Annotated[
 Context = Annotated[int | None, typer.Option(
     "--context", "-c", help="Context window in tokens (default: the model's, up to 8192).",
     rich_help_panel="Model loading")]
+#: `run`, `chat` and `create` (serve's --lora takes the same form).
+AdapterOpt = Annotated[list[str] | None, typer.Option(
+    "--adapter", help="A LoRA adapter to load with the model, [NAME=]PATH[:SCALE] (repeat "
+    "for several; scale 1 = as trained): a GGUF file on llama.cpp, an mlx-lm folder on "
+    "MLX, a PEFT folder on vLLM.", show_default=False)]
+#: Also taken by `bench`, beside its own engine flags.
+Exact = Annotated[bool, typer.Option(
+    "--exact", help="Replies that do not depend on what ran before (greedy replies the same "
+    "alone or batched, with a warm or cold cache), at some speed: README, \"Speed\". "
+    "Default: the engine's fastest.", rich_help_panel="Model loading")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +190,28 @@ class LoadingFlags(OptionGroup):
     allow_unoptimized: Annotated[bool, typer.Option(
         "--allow-unoptimized",
         help="Let an engine load a format it runs without its optimized kernels.")] = False
+    speculative: Annotated[str | None, typer.Option(
+        "--speculative", help="Speculative decoding: auto (default where the engine has "
+        "it: on only where it wins), prompt-lookup, draft (with --draft-model), off.")] = None
+    draft_model: Annotated[str | None, typer.Option(
+        "--draft-model", help="A smaller model with the same tokenizer that drafts tokens "
+        "for speculative decoding (a path or a name).")] = None
+    exact: Exact = False
+
+    def no_speculation(self, command: str) -> None:
+        """Refuse --speculative/--draft-model on a command that loads no model with them
+        (one line, naming the commands that do)."""
+        from localrun.errors import LocalrunError
+
+        flag = "--draft-model" if self.draft_model is not None else \
+            "--speculative" if self.speculative is not None else None
+        if flag is not None:
+            raise LocalrunError(f"{command} does not take {flag}",
+                                hint="speculative decoding is set where a model is loaded: "
+                                     "localrun run/chat/generate MODEL " + flag + " ...")
 
     def load(self, model: str | None, remote: RemoteFlags | None = None,
-             chat_template: str | None = None) -> Any:
+             chat_template: str | None = None, adapters: Any = None) -> Any:
         """Load for a command: explain a Hub plan and show download progress on stderr,
         and turn the "runs without optimized kernels" warning into one line."""
         import sys
@@ -204,11 +233,14 @@ class LoadingFlags(OptionGroup):
                 print_plan(console, fetch_plan)
 
         with warnings.catch_warnings(record=True) as caught, DownloadBar(console) as bar, \
-                StartupLine(console):
+                StartupLine(console) as startup:
             warnings.simplefilter("always", UnoptimizedFormatWarning)
             model_obj = load(model, backend=backend, context=self.context,
                              allow_unoptimized=self.allow_unoptimized, on_plan=on_plan,
                              progress=bar.report, chat_template=chat_template,
+                             on_startup=startup.report, adapters=adapters,
+                             speculative=self.speculative, draft_model=self.draft_model,
+                             exact=self.exact,
                              **engine_options)
         for w in caught:
             if issubclass(w.category, UnoptimizedFormatWarning):
@@ -268,6 +300,17 @@ class DownloadFlags(OptionGroup):
         from localrun.hardware import HardwareProfile
 
         return HardwareProfile.find(self.hardware)
+
+
+def read_adapters(values: list[str] | None) -> tuple[Any, ...] | None:
+    """--adapter (--lora) values, each checked before anything loads: the file is there,
+    the scale in range, the names unique (:func:`localrun.adapters.normalize`); None
+    without any (a preset's own adapters then load)."""
+    if not values:
+        return None
+    from localrun.adapters import normalize
+
+    return normalize(values)
 
 
 #: Every group, for the tests that hold commands to them.

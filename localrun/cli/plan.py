@@ -52,6 +52,7 @@ def plan(
     from localrun.backends import BACKENDS, canonical_backend, installed_backends
     from localrun.planning.plan import plan as make_plan
 
+    loading.no_speculation("plan")  # the plan shows the catalog's draft on its own
     profile = download.profile()
     if engines is not None:
         names = [canonical_backend(e) for e in engines.split(",") if e.strip()]
@@ -104,6 +105,33 @@ def _show(console: Console, p: Plan, *, assumed: bool) -> None:
         console.print("[bold]Files[/]: " + _e(", ".join(p.files)))
     if p.memory:
         _show_memory(console, p.memory)
+    if p.draft:
+        _show_draft(console, p.draft)
+    if p.images:
+        _show_images(console, p.images)
+
+
+def _show_images(console: Console, images: dict[str, object]) -> None:
+    """A vision model's projector and its image-token budget."""
+    size = images.get("projector_bytes")
+    counted = (f", {size / 2**20:.1f} MiB, counted in the memory above"
+               if isinstance(size, int) else "")
+    console.print(f"[bold]Images[/]: projector {_e(images.get('projector'))}{_e(counted)} · "
+                  f"at most {_e(images.get('tokens_per_image'))} tokens an image (larger "
+                  f"images are scaled down; the engine option image_tokens) · at most "
+                  f"{_e(images.get('images_per_request'))} images a request, each counted "
+                  "against the context")
+
+
+def _show_draft(console: Console, draft: dict[str, object]) -> None:
+    """The catalog's draft model (speculative decoding) and what it adds in memory."""
+    mem = draft.get("memory")
+    size = ""
+    if isinstance(mem, dict) and isinstance(mem.get("total_bytes"), int):
+        size = (f" · adds {mem['total_bytes'] / 2**30:.2f} GiB (weights "
+                f"{int(mem.get('weights_bytes') or 0) / 2**30:.2f} GiB)")
+    console.print(f"[bold]Draft[/]: {_e(draft.get('model'))}{_e(size)} · speculative "
+                  f"decoding: --draft-model {_e(draft.get('model'))} --speculative draft")
 
 
 def _show_memory(console: Console, mem: dict[str, object]) -> None:

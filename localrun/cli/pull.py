@@ -45,7 +45,7 @@ def pull(
     from localrun.errors import OfflineMissingError
     from localrun.naming.embedded import ensure_default_model
     from localrun.naming.refs import default_serves, is_default_name
-    from localrun.planning.plan import plan_fetch
+    from localrun.resolve import plan_target
 
     console = Console(stderr=True, highlight=False)
     quant = download.quant
@@ -54,12 +54,14 @@ def pull(
             ensure_default_model(progress=bar.report)
     profile = download.profile()
     installed = dict.fromkeys(BACKENDS, "assumed") if profile is not None else None
-    try:
-        chosen, plan = plan_fetch(model, backend=backend or "auto", hardware=profile,
-                                  installed=installed, context=context, quant=quant)
-        if plan is None or memory is not None:
-            budget = int(memory * 2**30) if memory is not None else None
-            plan = hub.plan_fetch(model, backend=chosen.backend, context=context,
+    budget = int(memory * 2**30) if memory is not None else None
+    try:  # planned once: the engine, and the Hub's files for it within the budget
+        target = plan_target(model, backend=backend or "auto", context=context, quant=quant,
+                             hardware=profile, installed=installed,
+                             memory_budget_bytes=budget)
+        plan = target.download
+        if plan is None:  # on disk already: what it is, sized as the Hub step would
+            plan = hub.plan_fetch(model, backend=target.backend, context=context,
                                   quant=quant, memory_budget_bytes=budget)
     except OfflineMissingError as exc:  # its own hint says "run localrun pull": this is it
         reach = ("unset HF_HUB_OFFLINE" if "HF_HUB_OFFLINE" in exc.reason
@@ -68,12 +70,12 @@ def pull(
             f"a download needs the Hub: {reach}, or set HF_ENDPOINT=URL to use a mirror or "
             "proxy of it, and run this command again")) from exc
     print_plan(console, plan)
-    plan.require_fit()
     if plan.local_path is not None:
-        console.print(f"Nothing to download: {e(plan.local_path)}")
-        typer.echo(plan.local_path)
+        path = hub.fetch(plan)  # refuses a model that does not fit; downloads nothing
+        console.print(f"Nothing to download: {e(str(path))}")
+        typer.echo(str(path))
         return
-    with DownloadBar(console) as bar:
+    with DownloadBar(console) as bar:  # hub.fetch refuses a model that does not fit first
         path = hub.fetch(plan, progress=bar.report)
     console.print(f"[green]Ready[/]: {e(str(path))}")
     # What the name resolved to is remembered: the same command runs it offline too.

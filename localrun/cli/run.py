@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -20,6 +20,11 @@ def run(
                                            "(text, finish_reason, usage, timings, info).")] = False,
     raw: Annotated[bool, typer.Option("--raw", help="Complete the text as is, without the "
                                       "chat template.")] = False,
+    images: Annotated[list[str] | None, typer.Option(
+        "--image", help="An image file to send with the prompt (PNG, JPEG, WebP or GIF; "
+        "repeat for several). Needs a vision model: a GGUF with its mmproj beside it, or "
+        "an OpenVINO VLM.", show_default=False)] = None,
+    adapter: o.AdapterOpt = None,
     *,
     sampling: o.SamplingFlags,
     prompting: o.PromptFlags,
@@ -40,6 +45,10 @@ def run(
       localrun run ./model.gguf "Hi" --json
 
       localrun run smollm2:135m "Ann is 31 and lives in Oslo." --schema person.json
+
+      localrun run ./qwen2.5-vl.gguf "Describe this." --image photo.png
+
+      localrun run ./model.gguf "Hi" --adapter ./style-lora.gguf:0.5
     """
     from localrun.cli._input import CONVERT, check_text, read_stdin
     from localrun.errors import LocalrunError
@@ -55,12 +64,16 @@ def run(
     prompting.check_system()
     if not prompt.strip():
         raise LocalrunError("The prompt is empty", hint=f"localrun run {model} \"your question\"")
-    options = sampling.kwargs()  # checked before loading anything
+    if images and raw:
+        raise LocalrunError("--image needs the chat template", hint="drop --raw")
+    pictures = _read_images(images)  # checked before loading anything
+    adapters = o.read_adapters(adapter)
+    options = sampling.kwargs()
     structured = prompting.structured()
     thinking = prompting.thinking()
     template = prompting.template()
     system = prompting.system
-    with loading.load(model, remote, chat_template=template) as m:
+    with loading.load(model, remote, chat_template=template, adapters=adapters) as m:
         if raw:
             if system:
                 raise LocalrunError("--system has no meaning with --raw",
@@ -68,7 +81,8 @@ def run(
             stream = m.stream(prompt, raw=True, **structured, **thinking, **options)
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}]
+                {"role": "user", "content": prompt, **({"images": pictures} if pictures
+                                                       else {})}]
             stream = m.stream(messages, **structured, **thinking, **options)
         with stream:
             if json_out:
@@ -93,6 +107,13 @@ def run(
                 sys.stdout.flush()
             sys.stdout.write("\n")
             stream.join()  # a JSON reply cut short by --max-tokens is an error, not a reply
+
+
+def _read_images(paths: list[str] | None) -> list[Any]:
+    """Each --image file, read and checked now (an ImageError names the bad one)."""
+    from localrun.images import read_image
+
+    return [read_image(p, f"--image {p}") for p in paths or ()]
 
 
 def register(app: typer.Typer) -> None:

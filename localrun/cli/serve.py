@@ -105,6 +105,10 @@ def serve(
         "first.")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback --host "
                         "without --api-key.")] = False,
+    allow_image_urls: Annotated[bool, typer.Option(
+        "--allow-image-urls", help="Fetch http(s) image URLs sent in requests (at most "
+        "20 MiB each, 10 s for a request's all). Default: refused, send images as data: "
+        "URIs or base64.")] = False,
     install_service: Annotated[bool, typer.Option(
         "--install-service", help="Do not serve now: install these models and flags as a "
         "service of yours that starts at login and restarts on failure (a systemd user unit "
@@ -113,6 +117,10 @@ def serve(
     uninstall_service: Annotated[bool, typer.Option(
         "--uninstall-service", help="Stop the service --install-service installed and "
         "remove it.")] = False,
+    lora: Annotated[list[str] | None, typer.Option(
+        "--lora", help="A LoRA adapter the models named here load with, [NAME=]PATH[:SCALE] "
+        "(repeat for several; name: the file's stem). A request picks another set with "
+        "its 'lora' field (llama.cpp, vLLM).")] = None,
     *,
     ctx: typer.Context,
     loading: o.LoadingFlags,
@@ -154,6 +162,11 @@ def serve(
         raise LocalrunError(f"localrun serve needs its web stack ({e.name or e} is missing)",
                             hint=pip_install("serve")) from None
 
+    if loading.draft_model is not None:  # one draft cannot serve every model
+        loading.no_speculation("serve")
+    from localrun.sampling import check_speculative
+
+    check_speculative(loading.speculative)  # a bad value fails now, not at the first load
     key = _api_key(api_key, api_key_file)
     host, port = listen_address(host, port)
     config = ServerConfig(
@@ -168,7 +181,9 @@ def serve(
         max_connections=max_connections, max_connections_per_client=max_connections_per_client,
         max_memory=int(max_memory * 2**30) if max_memory is not None else None,
         insecure=insecure, backend=loading.backend, context=loading.context,
-        allow_unoptimized=loading.allow_unoptimized)
+        allow_unoptimized=loading.allow_unoptimized, adapters=_adapters(lora),
+        allow_image_urls=allow_image_urls, speculative=loading.speculative,
+        exact=loading.exact)
     config.check()
     if install_service or uninstall_service:
         from localrun.cli._service import service_flags
@@ -181,8 +196,9 @@ def serve(
     _setup_logging()
     manager = ModelManager(config, Metrics())
 
-    def load(name: str, **preset: Any) -> Any:  # a preset's model: with its values
-        return (replace(loading, **preset) if preset else loading).load(name)
+    def load(name: str, adapters: Any = None, **preset: Any) -> Any:  # a preset's values
+        return (replace(loading, **preset) if preset else loading).load(name,
+                                                                         adapters=adapters)
 
     loaded = manager.preload(config.models, load=load)
     app = create_app(config, manager=manager)
@@ -343,3 +359,7 @@ def banner(config: Any, loaded: list[Any]) -> str:
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
 
+
+def _adapters(lora: list[str] | None) -> tuple[Any, ...]:
+    """``--lora`` values, each checked (the file is there, the scale in range)."""
+    return o.read_adapters(lora) or ()

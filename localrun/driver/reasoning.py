@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from localrun.backends.base import GenerationStats, Prompt, Session
+from localrun.images import message_images
 from localrun.reasoning import ReasoningFormat, ReasoningRequest, refuse
 from localrun.structured.output import PreparedChat
 from localrun.types import Message
@@ -271,7 +272,9 @@ def thinking_prompt(session: Session, chat: ChatSetup, messages: list[Message],
         chat.template, bos_token=session.bos_token, eos_token=session.eos_token,
         tools=plan.template_tools if plan is not None else None,
         prefill=plan.prefill if plan is not None else "", own_phase=own)
-    return session.encode_rendered(text), thinking
+    prompt = session.encode_rendered(text)
+    images = message_images(messages)
+    return (session.attach_images(prompt, images) if images else prompt), thinking
 
 
 def merged(prior: GenerationStats | None, stats: GenerationStats, kept: int
@@ -286,4 +289,6 @@ def merged(prior: GenerationStats | None, stats: GenerationStats, kept: int
         prefill_seconds=prior.prefill_seconds + stats.prefill_seconds,
         decode_tokens=prior.decode_tokens + stats.decode_tokens,
         decode_seconds=prior.decode_seconds + stats.decode_seconds,
-        started=prior.started or stats.started)
+        started=prior.started or stats.started,
+        drafted_tokens=prior.drafted_tokens + stats.drafted_tokens,
+        accepted_tokens=prior.accepted_tokens + stats.accepted_tokens)

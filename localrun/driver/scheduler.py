@@ -27,9 +27,10 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Generator, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-from localrun.backends.base import Batcher, Session
+from localrun.backends.base import Batcher, Footprint, Session
 from localrun.driver.reasoning import ChatSetup, chat_setup
 from localrun.driver.sequence import NOT_STARTED, Event, Generation, Request, Sink, Stream
 from localrun.errors import GenerationError, LocalrunError, ModelBusyError, ModelClosedError
@@ -97,7 +98,7 @@ class Driver:
         return Stream(self._chunks(gen), cancel, gen)
 
     def _chunks(self, gen: Generation) -> Iterator[Chunk]:
-        if self._route():
+        if self._route(alone=_has_images(gen.request)):
             yield from self._run_here(gen)
             return
         gen.sink = queue.SimpleQueue()
@@ -189,7 +190,8 @@ class Driver:
         decides); yield ``(index, result)`` as each ends."""
         if not jobs:
             return
-        if (width or len(jobs)) > 1 and len(jobs) > 1 and self._batching():
+        if (width or len(jobs)) > 1 and len(jobs) > 1 and self._batching() and \
+                not any(_has_images(r) for _, r in jobs):
             yield from self._batched(jobs, width, cancel)
             return
         for i, request in jobs:  # in turn, each exactly as a stream
@@ -271,18 +273,22 @@ class Driver:
     def _room(self, capacity: int) -> int:
         return min(capacity, self._limit) if self._limit is not None else capacity
 
-    def batch_reserved_bytes(self) -> int | None:
-        """The batcher's :attr:`~localrun.backends.base.Batcher.reserved_bytes` (asking
-        the session for it the first time); 0 when the session runs one at a time."""
-        batcher = self._batcher if self._batching() else None
-        return batcher.reserved_bytes if batcher is not None else 0
-
-    def batch_slots(self) -> tuple[int, int] | None:
-        """The session's :meth:`~localrun.backends.base.Session.batch_slots` while its
-        batcher is not built yet; None once it is (asking :meth:`capacity` and
-        :meth:`batch_reserved_bytes` then builds nothing)."""
+    def footprint(self, slots: int | None) -> Footprint:
+        """The session's :meth:`~localrun.backends.base.Session.footprint`, its slots
+        within :meth:`limit` (the engine's batcher may be built to learn its capacity,
+        except one that holds memory per slot from the start)."""
         with self.exclusive() as session:
-            return None if self._can_batch is not None else session.batch_slots()
+            if self._can_batch is False:  # no batcher (limit 1, or none could be built)
+                slots = 1
+            try:
+                held = session.footprint(slots)
+            except LocalrunError:
+                raise
+            except Exception as e:
+                raise engine_failure(self.backend, e) from e
+        if self._limit is not None and held.slots > self._limit:
+            return replace(held, slots=self._limit)
+        return held
 
     def count_tokens(self, text: str) -> int:
         with self.exclusive() as session:
@@ -333,9 +339,11 @@ class Driver:
             raise ModelBusyError()
         return self.session
 
-    def _route(self) -> bool:
+    def _route(self, alone: bool = False) -> bool:
         """For one new sequence: True, this thread now owns the engine and runs it here;
-        False, it goes to the engine thread (the session batches and others overlap)."""
+        False, it goes to the engine thread (the session batches and others overlap).
+        ``alone``: it runs here whatever else runs (a prompt with images, which no
+        batcher takes); the engine thread's sequences wait meanwhile."""
         me = threading.get_ident()
         contended = False
         with self._cv:
@@ -343,7 +351,7 @@ class Driver:
                 session = self._live(me)
                 free = self._owner is None
                 idle = free and not self._waiting and not self._flight
-                wants_batcher = self._can_batch is not False and (
+                wants_batcher = not alone and self._can_batch is not False and (
                     session.batch_alone or contended or not idle)
                 if not wants_batcher:
                     if free:
@@ -583,3 +591,8 @@ def _send(gen: Generation, payload: str | BaseException | None, tokens: int = 0)
     assert gen.sink is not None
     event: Event = (gen, payload, tokens)
     gen.sink.put(event)
+
+
+def _has_images(request: Request) -> bool:
+    """Whether a request's conversation carries images (it then runs alone)."""
+    return any(m.get("images") for m in request.messages or ())

@@ -19,8 +19,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from localrun.adapters import chosen_adapters
 from localrun.backends import logprobs as logprob_math
 from localrun.backends.base import GenerationStats, Prompt, Session
+from localrun.driver.prompt import assistant_prefill, check_prefill, encode_prompt
 from localrun.driver.reasoning import ChatSetup, Splitter, merged, thinking_prompt
 from localrun.driver.stopping import StopMatcher
 from localrun.errors import (
@@ -29,6 +31,7 @@ from localrun.errors import (
     LocalrunError,
     StructuredOutputError,
 )
+from localrun.images import message_images
 from localrun.reasoning import ReasoningRequest, refuse
 from localrun.sampling import ResolvedSampling, resolve
 from localrun.structured.calls import ToolCall
@@ -70,6 +73,8 @@ class Request:
     structured: StructuredRequest | None = None
     tokens: tuple[int, ...] | None = None  # a raw prompt given as token ids (then no text)
     reasoning: ReasoningRequest | None = None  # think / reasoning_effort / thinking_budget
+    #: a raw prompt's structured plan, made when the call's arguments were checked
+    raw: PreparedChat | None = None
 
     def __post_init__(self) -> None:
         # Every call's text passes here (stream, chat, complete, batch): a lone surrogate
@@ -161,53 +166,18 @@ def timings_of(stats: GenerationStats, n_prompt: int, t0: float, t_first: float,
         decode_tps = (stats.completion_tokens - 1) / max(t_end - t_first, 1e-9)
     else:
         decode_tps = 0.0
-    return Timings(ttft=ttft, prefill_tps=prefill_tps, decode_tps=decode_tps, total=t_end - t0)
-
-
-def encode_prompt(session: Session, messages: list[Message] | None, text: str | None,
-                  plan: PreparedChat | None, tokens: Sequence[int] | None = None,
-                  chat: ChatSetup | None = None) -> Prompt:
-    """The prompt tokens of one request: the engine's own chat rendering, or localrun's
-    (a conversation with tools, or a chat template the caller gave), plus the
-    assistant-turn prefill of a forced call; or the caller's own token ids, as they are."""
-    if tokens is not None:
-        return session.encode_ids(tokens)
-    if messages is None:
-        return session.encode_text(text or "")
-    if chat is not None and chat.override and (plan is None or not plan.render_here):
-        msgs = plan.messages if plan is not None else messages
-        return session.encode_rendered(render(session, chat, msgs, plan)
-                                       + (plan.prefill if plan is not None else ""))
-    if plan is None:
-        return session.encode_chat(messages)
-    if plan.render_here:
-        return session.encode_rendered(render(session, chat, plan.messages, plan)
-                                       + plan.prefill)
-    prompt = session.encode_chat(plan.messages)  # type: ignore[arg-type]
-    if plan.prefill:
-        if prompt.text is None:
-            raise StructuredOutputError(f"{session.info.backend} gave no rendered prompt to "
-                                        "start a forced tool call from",
-                                        hint="use tool_choice='auto'")
-        return session.encode_rendered(prompt.text + plan.prefill)
-    return prompt
-
-
-def render(session: Session, chat: ChatSetup | None, messages: Sequence[Any],
-           plan: PreparedChat | None) -> str:
-    """A conversation rendered by localrun with the model's template (or the caller's)."""
-    from localrun.templates import render_chat
-
-    return render_chat(chat.template if chat is not None else session.chat_template,
-                       messages, bos_token=session.bos_token, eos_token=session.eos_token,
-                       tools=plan.template_tools if plan is not None else None)
+    return Timings(ttft=ttft, prefill_tps=prefill_tps, decode_tps=decode_tps, total=t_end - t0,
+                   drafted_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_tokens)
 
 
 def structured_plan(session: Session, messages: list[Message] | None,
-                    structured: StructuredRequest | None, chat: ChatSetup | None = None
-                    ) -> PreparedChat | None:
-    """How a request with structured output or tool turns runs on this session."""
+                    structured: StructuredRequest | None, chat: ChatSetup | None = None,
+                    raw: PreparedChat | None = None) -> PreparedChat | None:
+    """How a request with structured output or tool turns runs on this session (``raw``:
+    a raw prompt's, made already when its arguments were checked)."""
     if messages is None:
+        if raw is not None:
+            return raw
         return raw_plan(structured) if structured is not None else None
     if structured is None and not has_tool_turns(messages):
         return None
@@ -297,21 +267,25 @@ class Generation:
         self.t0 = time.perf_counter()
         req = self.request
         sampling = resolve(req.sampling, defaults)
+        sampling = replace(sampling, adapters=chosen_adapters(session, req.sampling.adapters))
         if sampling.echo and req.messages is not None:
             raise LocalrunError("echo=True takes a raw prompt, not a conversation",
                                 hint="use Model.complete(prompt, echo=True)")
         logprob_math.check(session, sampling, req.tokens is not None)
         chat = self.chat
-        plan = structured_plan(session, req.messages, req.structured, chat)
+        messages, prefix = assistant_prefill(req.messages)
+        check_prefill(session, prefix, req.structured, chat)
+        plan = structured_plan(session, messages, req.structured, chat, req.raw)
         thinking = None
-        if req.messages is not None and chat is not None and chat.reasoning is not None:
-            prompt, thinking = thinking_prompt(session, chat, req.messages, plan,
+        if messages is not None and chat is not None and chat.reasoning is not None:
+            prompt, thinking = thinking_prompt(session, chat, messages, plan,
                                                req.reasoning)
         else:
             if req.reasoning is not None and req.reasoning.think:
                 raise refuse(req.reasoning, "this model does not think (its chat "
                              "template has no thinking block)")
-            prompt = encode_prompt(session, req.messages, req.text, plan, req.tokens, chat)
+            prompt = encode_prompt(session, messages, req.text, plan, req.tokens, chat,
+                                   prefix)
         n_prompt = len(prompt.tokens)
         ctx = session.info.context_length
         if n_prompt >= ctx:
@@ -324,6 +298,7 @@ class Generation:
             self.answer_constraint = self.sampling.constraint
             self.sampling = replace(self.sampling, constraint=None)
         if sampling.echo:  # the prompt scored now, before anything is generated
+            session.use_adapters(self.sampling.adapters)
             self.prompt_logprobs = tuple(session.prompt_logprobs(prompt, sampling.logprobs or 0))
         if sampling.logprobs is not None:
             self.stats.logprobs = []  # the engine's entries, one per token it chooses
@@ -349,6 +324,8 @@ class Generation:
         self.switching = self.halted = False
         self.trim = True
         prompt = session.encode_rendered(split.switch)
+        if self.prompt is not None and self.prompt.media is not None:  # the same images
+            prompt = session.attach_images(prompt, message_images(self.request.messages))
         room = session.info.context_length - len(prompt.tokens)
         left = max(0, min(sampling.max_tokens - used, room))
         self.run_prompt = prompt

@@ -17,7 +17,7 @@ AMD, Intel GPUs and NPUs, OpenVINO's devices), ``system`` (file and command read
 from __future__ import annotations
 
 from localrun.hardware.accelerators import gfx_target, parse_nvidia_smi
-from localrun.hardware.detect import detect_hardware
+from localrun.hardware.detect import detect_hardware, gpus_now
 from localrun.hardware.host import parse_cpuinfo, parse_meminfo
 from localrun.hardware.profile import (
     SCHEMA_VERSION,
@@ -43,6 +43,7 @@ __all__ = [
     "NPUInfo",
     "detect_hardware",
     "gfx_target",
+    "gpus_now",
     "parse_cpuinfo",
     "parse_meminfo",
     "parse_nvidia_smi",

@@ -59,6 +59,22 @@ def detect_hardware(*, probe_openvino: bool = False) -> HardwareProfile:
     )
 
 
+#: The probe that asks one vendor's driver about its GPUs now (memory free included).
+_GPU_PROBES: dict[str, Callable[[Notes], list[GPUInfo]]] = {
+    "nvidia": accelerators.probe_nvidia, "amd": accelerators.probe_amd_kfd}
+
+
+def gpus_now(vendor: str) -> list[GPUInfo]:
+    """One vendor's GPUs as its driver reports them now (their free memory changes as
+    models load): that vendor's probe alone, never raising. The profile
+    :func:`detect_hardware` keeps for the process is not probed again."""
+    probe = _GPU_PROBES.get(vendor)
+    if probe is None or platform.system() == "Darwin":
+        return []
+    notes = Notes()
+    return list(_guarded(lambda: probe(notes), [], f"{vendor} GPU", notes))
+
+
 def _guarded(fn: Callable[[], Any], default: Any, what: str, notes: Notes) -> Any:
     # The last line of defence: a probe bug must not break `localrun doctor`.
     try:

@@ -8,7 +8,7 @@ import json
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import httpx2
@@ -17,14 +17,14 @@ from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError
 
 from localrun import memory
-from localrun.backends import BACKENDS, compat
+from localrun.backends import BACKENDS, compat, engine_memory
 from localrun.errors import HubNotFoundError
 from localrun.formats import gguf
 from localrun.hub.chosen import Download, PlannedFile, QuantOption, Source
 from localrun.hub.client import cache_dir, range_read
 from localrun.hub.listing import Listing
 from localrun.hub.variants import Candidate, trust_rank
-from localrun.memory import MemoryEstimate, ModelShape
+from localrun.memory import Fit, ModelShape
 from localrun.naming.refs import ModelRef
 from localrun.naming.stores import StoredModel, find_lmstudio, find_ollama
 
@@ -100,29 +100,11 @@ def file_reader(path: str | os.PathLike[str]) -> Callable[[int, int], bytes]:
 
 # --- the fit ------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Fit:
-    """One variant's memory on one engine: at ``context`` (what the engine loads),
-    whether it fits the budget, and the largest context that does."""
-
-    context: int
-    estimate: MemoryEstimate
-    fits: bool
-    max_context: int | None  # None without a budget
-
-
 def fit(weights_bytes: int, shape: ModelShape | None, context: int | None,
         budget: int | None, *, backend: str, device: str | None) -> Fit:
-    """The memory fit of ``weights_bytes`` of a model of ``shape`` (None: KV cache
-    unknown, counted as 0) at the context the engines load (:func:`memory.context_window`
-    of the caller's ``context`` and the trained one) within ``budget`` (None: no check)."""
-    trained = shape.trained_context if shape else None
-    ctx = memory.context_window(context, trained)
-    est = memory.estimate(weights_bytes, shape, ctx, backend=backend, device=device)
-    max_ctx = (memory.max_context(weights_bytes, shape, budget, limit=trained,
-                                  backend=backend, device=device)
-               if budget is not None else None)
-    return Fit(ctx, est, budget is None or est.total_bytes <= budget, max_ctx)
+    """:func:`localrun.memory.fit` on ``backend``'s own memory row on ``device``."""
+    return memory.fit(weights_bytes, shape, context, budget,
+                      engine=engine_memory(backend, device))
 
 
 def _option(c: Candidate, f: Fit) -> QuantOption:

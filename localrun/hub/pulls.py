@@ -17,15 +17,15 @@ atomic (a temporary file, then ``os.replace``) under a lock file where the OS ha
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
+
+from localrun.sharedfile import locked, write_atomic
 
 #: Overrides where localrun keeps its own state (the pull records).
 HOME_ENV = "LOCALRUN_HOME"
@@ -120,40 +120,15 @@ def load(cache_dir: str | os.PathLike[str]) -> list[PullRecord]:
     return sorted(recs, key=lambda r: -r.pulled_at)
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Serialize read-modify-write between processes (two pulls at once)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # Windows: the atomic replace still keeps the file whole
-        yield
-        return
-    with open(path.with_suffix(".lock"), "a+") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-
-
 def _write(path: Path, recs: list[PullRecord]) -> None:
     body = json.dumps({"version": VERSION, "pulls": [r.to_json() for r in recs]}, indent=1)
-    fd, tmp = tempfile.mkstemp(prefix=".pulls-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(body + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, body + "\n")
 
 
 def _update(cache_dir: str | os.PathLike[str],
             change: Callable[[list[PullRecord]], list[PullRecord]]) -> None:
     path = records_path(cache_dir)
-    with _locked(path):
+    with locked(path):
         before = _read(path)
         after = change(before)
         if after != before:

@@ -131,7 +131,8 @@ def _gguf_candidates(listing: Listing) -> tuple[list[Candidate], list[str]]:
     incomplete: list[str] = []
     for f in singles:
         q = gguf_quant(f)
-        cands.append(Candidate(listing, "gguf", q, GGUF_BPW.get(q or "?", 8.0), (f,), primary=f))
+        cands.append(Candidate(listing, "gguf", q, GGUF_BPW.get(q or "?", 8.0),
+                               (f, *_projector(listing, f)), primary=f))
     for shards in shard_sets.values():
         m = GGUF_SHARD.search(shards[0])
         assert m is not None
@@ -145,9 +146,26 @@ def _gguf_candidates(listing: Listing) -> tuple[list[Candidate], list[str]]:
             continue
         ordered = tuple(have[w.lower()] for w in want)
         q = gguf_quant(ordered[0])
-        cands.append(Candidate(listing, "gguf", q, GGUF_BPW.get(q or "?", 8.0), ordered,
-                           primary=ordered[0]))
+        cands.append(Candidate(listing, "gguf", q, GGUF_BPW.get(q or "?", 8.0),
+                               ordered + _projector(listing, ordered[0]), primary=ordered[0]))
     return cands, incomplete
+
+
+#: a projector's types, best first (llama.cpp runs its projector at the type it has)
+_PROJECTOR_TYPES = ("F16", "BF16", "Q8_0", "F32")
+
+
+def _projector(listing: Listing, model: str) -> tuple[str, ...]:
+    """The projector a vision model's GGUF needs beside it (``mmproj*.gguf`` in its
+    folder, the F16 one where there are several), downloaded and sized with it; ()."""
+    from localrun.formats.projector import MMPROJ
+
+    folder = model.rpartition("/")[0]
+    found = [n for n in listing.files if MMPROJ.search(n) and n.rpartition("/")[0] == folder]
+    if not found:
+        return ()
+    rank = {t: i for i, t in enumerate(_PROJECTOR_TYPES)}
+    return (min(found, key=lambda n: (rank.get(gguf_quant(n) or "", 9), n)),)
 
 
 def _all_files(listing: Listing, under: str = "") -> tuple[str, ...]:

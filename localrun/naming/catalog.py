@@ -65,6 +65,9 @@ class CatalogEntry:
     #: how the model thinks (a format of :data:`localrun.reasoning.FORMATS`), used where
     #: its chat template does not say; None: it does not think
     reasoning: str | None = None
+    #: the alias of a smaller model of the same family and tokenizer that drafts for it
+    #: (speculative decoding, ``load(draft_model=...)``); None: the family has none
+    draft: str | None = None
 
     def variants_for(self, format: str) -> list[Variant]:
         """Known variants in ``format``: verified ones first, in catalog order."""
@@ -86,7 +89,8 @@ def _entry(alias: str, raw: dict[str, Any]) -> CatalogEntry:
                         names=tuple(raw.get("names", ())), variants=variants,
                         sampling=dict(raw.get("sampling", {})),
                         model_names=tuple(raw.get("model_names", ())),
-                        params_b=raw.get("params_b"), reasoning=raw.get("reasoning"))
+                        params_b=raw.get("params_b"), reasoning=raw.get("reasoning"),
+                        draft=raw.get("draft"))
 
 
 @cache

@@ -18,14 +18,13 @@ Plain file reads, no engine.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from localrun.errors import ModelFileError
-from localrun.formats.detect import DetectedModel
+from localrun.formats.detect import DetectedModel, read_json
 from localrun.naming.catalog import CatalogEntry, for_model_name
 
 _CACHE_DIR = re.compile(r"^models--([^/]+?)--(.+)$")
@@ -104,11 +103,12 @@ def _gguf_names(path: Path) -> Iterator[str]:
 
 
 def _json(path: Path) -> dict[str, Any]:
+    """A model's JSON file (:func:`~localrun.formats.detect.read_json`); ``{}`` when it
+    is absent or unreadable: identification is best effort."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return read_json(path)
+    except ModelFileError:
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _readme_base_models(path: Path) -> Iterator[str]:

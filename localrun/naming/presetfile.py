@@ -185,7 +185,7 @@ def _apply(spec: PresetSpec, key: str, arg: str, value: str, source: str, number
             a = parse_adapter(value)
         except PresetError as e:
             raise PresetFileError(source, number, e.message) from None
-        spec.adapters.append(Adapter(_path(a.path, base, only_if_there=False), a.scale))
+        spec.adapters.append(Adapter(_path(a.path, base, only_if_there=False), a.scale, a.name))
     elif key == "message":
         role = arg.lower()
         if role not in ("user", "assistant"):

@@ -29,14 +29,15 @@ import json
 import math
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from localrun.adapters import MAX_SCALE, SCALE_ALLOWED, Adapter
 from localrun.errors import InvalidModelNameError, LocalrunError, UnknownModelError
+from localrun.sharedfile import locked, write_atomic
 
 if TYPE_CHECKING:
     from localrun.batch import BatchInput
@@ -67,18 +68,6 @@ class PresetNotFoundError(PresetError, LookupError):
 
 
 @dataclass(frozen=True)
-class Adapter:
-    """A LoRA adapter a preset loads with its model: a file or folder, and its scale."""
-
-    path: str
-    scale: float = 1.0
-
-    @property
-    def display(self) -> str:
-        return self.path if self.scale == 1.0 else f"{self.path}:{self.scale:g}"
-
-
-@dataclass(frozen=True)
 class Preset:
     """A saved preset. ``sampling`` holds the sampling options it sets (validated, in
     ``localrun.sampling``'s names); unset fields are None or empty."""
@@ -93,22 +82,15 @@ class Preset:
     adapters: tuple[Adapter, ...] = ()
     messages: tuple[tuple[str, str], ...] = ()  # (role, content) opening every chat
     created_at: float = 0.0
+    exact: bool = False  # load(exact=True): README, "Speed"
 
     # -- what a preset does to a load and a conversation ----------------------------
 
     def load_args(self, backend: str, context: int | None, allow_unoptimized: bool
                   ) -> tuple[str, str, int | None, bool]:
         """``load()``'s model, backend, context and allow_unoptimized for this preset: the
-        caller's backend and context win over the preset's."""
-        if self.adapters:
-            # LoRA loading is its own task (issue 31 item 4): refuse rather than run the
-            # base model as if the adapter were there.
-            shown = ", ".join(a.display for a in self.adapters)
-            raise PresetError(
-                f"Preset {self.name!r} loads the adapter {shown}, and this localrun cannot "
-                "load LoRA adapters yet",
-                hint=f"make it again without --adapter (localrun create {self.name} --from "
-                f"{self.model} ...), or load the base model: localrun run {self.model}")
+        caller's backend and context win over the preset's (its :attr:`adapters` load
+        with the model: ``load()`` and the server read them)."""
         chosen = backend if backend != "auto" or not self.backend else self.backend
         return (self.model, chosen, context if context is not None else self.context,
                 allow_unoptimized or self.allow_unoptimized)
@@ -157,8 +139,12 @@ class Preset:
             out["backend"] = self.backend
         if self.allow_unoptimized:
             out["allow_unoptimized"] = True
+        if self.exact:
+            out["exact"] = True
         if self.adapters:
-            out["adapters"] = [{"path": a.path, "scale": a.scale} for a in self.adapters]
+            out["adapters"] = [{"path": a.path, "scale": a.scale,
+                                **({"name": a.name} if a.name else {})}
+                               for a in self.adapters]
         if self.messages:
             out["messages"] = [{"role": r, "content": c} for r, c in self.messages]
         out["created_at"] = self.created_at
@@ -175,7 +161,8 @@ class Preset:
                         sampling=d.get("parameters") or {}, context=d.get("context"),
                         backend=d.get("backend"),
                         allow_unoptimized=d.get("allow_unoptimized") is True,
-                        adapters=[Adapter(a["path"], a.get("scale", 1.0))
+                        exact=d.get("exact") is True,
+                        adapters=[Adapter(a["path"], a.get("scale", 1.0), a.get("name"))
                                   for a in d.get("adapters") or ()],
                         messages=[(m["role"], m["content"]) for m in d.get("messages") or ()],
                         created_at=float(d.get("created_at") or 0.0), check_refs=False)
@@ -251,6 +238,7 @@ def make(
     adapters: Sequence[Adapter] = (),
     messages: Sequence[tuple[str, str]] = (),
     created_at: float | None = None,
+    exact: bool = False,
     check_refs: bool = True,
 ) -> Preset:
     """A validated Preset. ``check_refs``: also check that the name is free, that
@@ -288,12 +276,15 @@ def make(
                               hint="example messages are user or assistant turns; the "
                               "system prompt is SYSTEM (--system)")
     for a in adapters:
-        if not (isinstance(a.scale, (int, float)) and math.isfinite(a.scale)):
-            raise PresetError(f"Preset {name!r}: adapter scale {a.scale!r} is not a number",
-                              hint="write PATH:SCALE, e.g. ./style.gguf:0.5")
+        if isinstance(a.scale, bool) or not (isinstance(a.scale, (int, float))
+                                             and math.isfinite(a.scale)
+                                             and abs(a.scale) <= MAX_SCALE):
+            raise PresetError(f"Preset {name!r}: adapter scale {a.scale!r} is out of range",
+                              hint="write PATH:SCALE with SCALE " + SCALE_ALLOWED)
     preset = Preset(name, model, system, values, context, backend, bool(allow_unoptimized),
-                    tuple(Adapter(a.path, float(a.scale)) for a in adapters),
-                    tuple(messages), time.time() if created_at is None else created_at)
+                    tuple(Adapter(a.path, float(a.scale), a.name) for a in adapters),
+                    tuple(messages), time.time() if created_at is None else created_at,
+                    exact=bool(exact))
     return _checked_refs(preset) if check_refs else preset
 
 
@@ -307,7 +298,8 @@ def _checked_refs(p: Preset) -> Preset:
                     else base.system, sampling={**base.sampling, **p.sampling},
                     context=p.context or base.context, backend=p.backend or base.backend,
                     allow_unoptimized=p.allow_unoptimized or base.allow_unoptimized,
-                    adapters=p.adapters or base.adapters, messages=p.messages or base.messages)
+                    exact=p.exact or base.exact, adapters=p.adapters or base.adapters,
+                    messages=p.messages or base.messages)
     else:
         try:
             ref = parse_ref(p.model)
@@ -322,23 +314,19 @@ def _checked_refs(p: Preset) -> Preset:
         if not path.exists():
             raise PresetError(f"Preset {p.name!r}: no adapter at {a.path}",
                               hint="give the path of a LoRA adapter file or folder")
-        adapters.append(Adapter(str(path.resolve()), a.scale))
+        adapters.append(Adapter(str(path.resolve()), a.scale, a.name))
     return replace(p, adapters=tuple(adapters))
 
 
 def parse_adapter(text: str) -> Adapter:
-    """``PATH[:SCALE]``: a trailing ``:NUMBER`` is the scale (1.0 without one)."""
-    head, sep, tail = text.rpartition(":")
-    if sep and head:
-        try:
-            scale = float(tail)
-        except ValueError:
-            return Adapter(text)
-        if not math.isfinite(scale):
-            raise PresetError(f"Adapter scale {tail!r} is not a number",
-                              hint="write PATH:SCALE, e.g. ./style.gguf:0.5")
-        return Adapter(head, scale)
-    return Adapter(text)
+    """``[name=]PATH[:SCALE]`` (:func:`localrun.adapters.parse_adapter`), its errors a
+    PresetError's."""
+    from localrun.adapters import parse_adapter as parse
+
+    try:
+        return parse(text)
+    except LocalrunError as e:
+        raise PresetError(e.message, hint=e.hint) from None
 
 
 # -- the file ---------------------------------------------------------------------------
@@ -395,39 +383,18 @@ def _locked(path: Path) -> Iterator[None]:
     except OSError as e:
         raise PresetError(f"Cannot create localrun's home {path.parent}: {e.strerror or e}",
                           hint="set LOCALRUN_HOME to a writable folder") from None
-    try:
-        import fcntl
-    except ImportError:  # Windows: the atomic replace still keeps the file whole
+    with locked(path):
         yield
-        return
-    with open(path.with_suffix(".lock"), "a+") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 def _write(path: Path, entries: list[dict[str, Any]]) -> None:
     body = json.dumps({"version": VERSION, "presets": entries}, indent=1, ensure_ascii=False)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".presets-", suffix=".json", dir=path.parent)
+        write_atomic(path, body + "\n")
     except OSError as e:
-        raise PresetError(f"Cannot write in {path.parent}: {e.strerror or e}",
-                          hint="make it writable, or set LOCALRUN_HOME to another folder"
-                          ) from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(body + "\n")
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise PresetError(f"Cannot write {path}: {e.strerror or e}",
-                              hint="free some space, or set LOCALRUN_HOME to another folder"
-                              ) from None
-        raise
+        raise PresetError(f"Cannot write {path}: {e.strerror or e}",
+                          hint="free some space, make its folder writable, or set "
+                               "LOCALRUN_HOME to another folder") from None
 
 
 def _update(change: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]) -> None:

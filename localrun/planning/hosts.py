@@ -66,6 +66,9 @@ class PlanRequest:
     shape: ModelShape | None = None  # layers and KV heads, when known (a local GGUF)
     prefer: Preference = "auto"
     allow_unoptimized: bool = False
+    #: the device the caller asked for ("cpu", "cuda:1", "GPU.1", "NPU"; None: the host's
+    #: best): engines that run there come first, and the plan names it as given
+    device: str | None = None
 
 
 # ======================================================================================
@@ -341,6 +344,53 @@ def llama_offload(p: HardwareProfile, device: str, req: PlanRequest) -> Offload 
     shape = req.shape
     kv = kv_cache_bytes(shape, context_window(None, shape.trained_context))
     return gpu_offload(req.weights_bytes, shape.n_layers, kv, sum(f for f in free if f))
+
+
+#: The kinds of device (a device name's first word, lower case: "cuda" of "cuda:1", "gpu"
+#: of OpenVINO's "GPU.1") each candidate's engine can be placed on.
+DEVICE_KINDS: dict[DeviceKind, frozenset[str]] = {
+    "cuda": frozenset({"cuda"}),
+    "cuda-multi": frozenset({"cuda"}),
+    "metal": frozenset({"metal"}),
+    "rocm": frozenset({"rocm"}),
+    "cpu": frozenset({"cpu"}),
+    "intel-best": frozenset({"gpu", "npu", "cpu"}),
+    "onnx-best": frozenset({"cuda", "dml", "cpu"}),
+    "vllm": frozenset({"cuda", "rocm", "cpu"}),
+}
+
+
+def device_kind(device: str) -> str:
+    """A device name's kind: "cuda" of "cuda:0,1", "gpu" of "GPU.1", "cpu" of "CPU"."""
+    return re.split(r"[:.]", device.strip().lower(), maxsplit=1)[0]
+
+
+def on_asked_device(p: HardwareProfile, c: Candidate, req: PlanRequest, fit: Fit) -> Fit:
+    """``fit`` (the candidate's own, on the host's best device) for the device the caller
+    asked for: that device, as given, where the candidate runs on its kind (the CPU always;
+    another kind where the host has it); else None and why."""
+    if req.device is None:
+        return fit
+    kind = device_kind(req.device)
+    if kind not in DEVICE_KINDS[c.device]:
+        return None, (f"runs on {'/'.join(sorted(DEVICE_KINDS[c.device]))}, not on "
+                      f"{req.device} (the device asked for)"), []
+    device, why, extra = _fit_cpu(p, c, req) if kind == "cpu" else fit
+    if device is None:
+        return fit if kind != "cpu" else (None, why, [])
+    if device_kind(device) != kind:
+        if not _host_has(p, kind):
+            return None, (f"runs on {device} here, not on {req.device} (the device asked "
+                          "for, which this host does not show)"), []
+        why = f"on {req.device}"  # another of its devices than the one it would pick
+    return req.device, f"{why}, as asked (device={req.device!r})", extra
+
+
+def _host_has(p: HardwareProfile, kind: str) -> bool:
+    """Whether the host shows a device of ``kind`` (a device name's first word)."""
+    return {"cpu": True, "npu": bool(p.npus), "gpu": bool(p.gpus_of("intel")),
+            "cuda": bool(p.gpus_of("nvidia")), "rocm": bool(p.gpus_of("amd")),
+            "metal": p.apple is not None, "dml": p.os == "Windows"}.get(kind, False)
 
 
 DEVICE_FITS: dict[DeviceKind, Callable[[HardwareProfile, Candidate, PlanRequest], Fit]] = {

@@ -12,8 +12,9 @@ planned quantization; the plan says which.
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,8 +26,23 @@ from localrun.memory import MemoryEstimate, ModelShape, gpu_share
 from localrun.planning.selection import Plan, PlanRequest, Preference, select
 
 if TYPE_CHECKING:
+    from localrun.adapters import Adapter
     from localrun.errors import LocalrunError
+    from localrun.formats.detect import DetectedModel
     from localrun.hub import Download
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What planning found for one model: the plan (engine, format, quant, device and
+    why); the Hub's choice of files, where the model is not on disk (None otherwise, or
+    without the Hub step); the memory estimate the fit was judged on; and, for a model
+    on disk, what detection read from its files."""
+
+    plan: Plan
+    download: Download | None = None
+    estimate: MemoryEstimate | None = None
+    found: DetectedModel | None = None
 
 
 def plan(
@@ -40,6 +56,8 @@ def plan(
     context: int | None = None,
     quant: str | None = None,
     hub: bool = True,
+    device: str | None = None,
+    adapters: Sequence[Adapter | str | os.PathLike[str]] | None = None,
 ) -> Plan:
     """Plan engine, format, quantization and device for ``model`` on this (or a described) host.
 
@@ -50,8 +68,12 @@ def plan(
     and whether they fit in the device's memory at ``context`` (Hub API calls only,
     no weights are downloaded); when the Hub cannot be reached, an estimate from what is
     known here (``memory["estimated_from"]`` says what). A model on disk is sized from
-    its own files. Raises FormatMismatchError for an explicit backend that
-    cannot run a local model's format, NoSuitableEngineError when no engine can run it.
+    its own files. ``device`` plans for that device (``"cpu"`` on a GPU host: a CPU
+    engine and its quant), as ``load(device=)`` loads. Raises FormatMismatchError for an
+    explicit backend that cannot run a local model's format, NoSuitableEngineError when
+    no engine can run it.
+    ``adapters`` (a preset's, unless given): LoRA adapters counted in the memory estimate
+    (their files' bytes).
     """
     from localrun.errors import (
         FormatMismatchError,
@@ -65,10 +87,21 @@ def plan(
     if preset is not None:  # a preset plans its model, engine and context
         model, backend, context, allow_unoptimized = preset.load_args(
             backend, context, allow_unoptimized)
+        if adapters is None:
+            adapters = preset.adapters
+    if adapters:
+        from localrun.adapters import normalize
+
+        lora = normalize(adapters)
+        return with_adapters(plan(model, backend=backend, hardware=hardware,
+                                   installed=installed, prefer=prefer,
+                                   allow_unoptimized=allow_unoptimized, context=context,
+                                   quant=quant, hub=hub, device=device, adapters=()), lora)
     try:
-        return plan_fetch(model, backend=backend, hardware=hardware, installed=installed,
-                          prefer=prefer, allow_unoptimized=allow_unoptimized, context=context,
-                          quant=quant, hub=hub)[0]
+        return with_images(with_draft(plan_model(
+            model, backend=backend, hardware=hardware, installed=installed, prefer=prefer,
+            allow_unoptimized=allow_unoptimized, context=context, quant=quant, hub=hub,
+            device=device).plan, model, context), model)
     except FormatMismatchError:
         raise
     except LocalrunError as e:
@@ -76,8 +109,9 @@ def plan(
             raise
         # The engine choice stands without the Hub; say what the Hub step could not do,
         # and, when the Hub could not be asked, size the model from what is known here.
-        chosen = plan_fetch(model, backend=backend, hardware=hardware, installed=installed,
-                            prefer=prefer, allow_unoptimized=allow_unoptimized, hub=False)[0]
+        chosen = plan_model(model, backend=backend, hardware=hardware, installed=installed,
+                            prefer=prefer, allow_unoptimized=allow_unoptimized, hub=False,
+                            device=device).plan
         chosen = replace(chosen, notes=(*chosen.notes,
                                         _hub_skipped(e, chosen, hardware is not None)))
         if model is None or not isinstance(e, (OfflineMissingError, HubUnavailableError)):
@@ -89,7 +123,92 @@ def plan(
                 "download of it in the cache, no parameter count in the catalog or the "
                 "name)")))
         profile = hardware if hardware is not None else _hardware.detect_hardware()
-        return _with_estimate(chosen, basis, profile, context)
+        return with_draft(_with_estimate(chosen, basis, profile, context)[0], model,
+                          context)
+
+
+def with_draft(p: Plan, model: str | None, context: int | None) -> Plan:
+    """``p`` with the catalog's draft model for its family (speculative decoding), where
+    the engine drafts with one: its alias and its memory at the plan's format, quant and
+    context (sized as an offline plan sizes a model)."""
+    from localrun.backends.speculative import supports
+    from localrun.errors import LocalrunError
+    from localrun.naming.refs import parse_ref
+
+    if model is None or not supports(p.backend, "draft"):
+        return p
+    try:
+        entry = parse_ref(model).entry
+    except LocalrunError:
+        return p
+    if entry is None or entry.draft is None:
+        return p
+    draft: dict[str, object] = {"model": entry.draft, "memory": None}
+    basis = _offline_basis(entry.draft, p.format, p.quantization)
+    if basis is not None:
+        trained = basis.shape.trained_context if basis.shape else None
+        from localrun.backends import engine_memory
+
+        est = memory.estimate(basis.weights_bytes, basis.shape,
+                              memory.context_window(context, trained),
+                              engine=engine_memory(p.backend, p.device))
+        draft["memory"] = {**est.to_dict(), "estimated_from": basis.source}
+    return replace(p, draft=draft)
+
+
+def with_images(p: Plan, model: str | None) -> Plan:
+    """``p`` with its vision part, where the model has one: the projector (a GGUF's
+    ``mmproj`` beside it or among the Hub files planned; an OpenVINO VLM folder's vision
+    model) and the image-token budget, per image (the ``image_tokens`` engine option's
+    default) and per request (at most :data:`localrun.images.MAX_IMAGES` images, each
+    counted against the context)."""
+    from localrun.formats.projector import MMPROJ, OPENVINO_VLM_FILES, projector_beside
+    from localrun.images import DEFAULT_IMAGE_TOKENS, MAX_IMAGES
+
+    projector: str | None = None
+    size: int | None = None
+    local = Path(model).expanduser() if model else None
+    if local is not None and local.is_file() and local.suffix.lower() == ".gguf":
+        found = projector_beside(local)
+        if found is not None:
+            projector, size = found.name, found.stat().st_size
+    elif local is not None and local.is_dir():
+        if all((local / f).is_file() for f in OPENVINO_VLM_FILES):
+            projector = OPENVINO_VLM_FILES[-1]
+        for gguf in sorted(local.glob("*.gguf")):
+            found = None if MMPROJ.search(gguf.name) else projector_beside(gguf)
+            if found is not None:
+                projector, size = found.name, found.stat().st_size
+                break
+    elif p.files:
+        projector = next((f for f in p.files if MMPROJ.search(f)), None)
+    if projector is None:
+        return p
+    return replace(p, images={
+        "projector": projector, "projector_bytes": size,
+        "tokens_per_image": DEFAULT_IMAGE_TOKENS, "images_per_request": MAX_IMAGES,
+        "tokens_per_request": DEFAULT_IMAGE_TOKENS * MAX_IMAGES})
+
+
+def with_adapters(chosen: Plan, adapters: Sequence[Adapter]) -> Plan:
+    """``chosen`` with its LoRA adapters' bytes in its memory estimate and verdict."""
+    from localrun.adapters import adapters_bytes, for_engine
+
+    for_engine(adapters, chosen.backend)  # an engine that loads none refuses them here
+    n = adapters_bytes(adapters)
+    mem = chosen.memory
+    if not n or not mem:
+        return chosen
+    est = MemoryEstimate(int(mem["weights_bytes"]), int(mem["kv_cache_bytes"]),
+                         int(mem["overhead_bytes"]), int(mem["context"]),
+                         bool(mem.get("kv_known", True)), adapter_bytes=n)
+    out = {**mem, **est.to_dict()}
+    budget = mem.get("budget")
+    if isinstance(budget, int):
+        out.update(fits=est.total_bytes <= budget,
+                   verdict=memory.verdict(est, budget, mem.get("max_context")))
+    return replace(chosen, memory=out, notes=(
+        *chosen.notes, f"{len(adapters)} LoRA adapter(s) counted: {n / 2**20:.1f} MiB"))
 
 
 def _hub_skipped(e: LocalrunError, chosen: Plan, described: bool) -> str:
@@ -108,7 +227,7 @@ def _hub_skipped(e: LocalrunError, chosen: Plan, described: bool) -> str:
             "HF_ENDPOINT=URL to use a mirror or proxy of it, and plan again")
 
 
-def plan_fetch(
+def plan_model(
     model: str | None = None,
     *,
     backend: str = "auto",
@@ -119,45 +238,56 @@ def plan_fetch(
     context: int | None = None,
     quant: str | None = None,
     hub: bool = True,
-) -> tuple[Plan, Download | None]:
-    """Like :func:`plan`, also returning the Hub's Download (None for local models)."""
+    device: str | None = None,
+    memory_budget_bytes: int | None = None,
+    found: DetectedModel | None = None,
+) -> Planned:
+    """Like :func:`plan`, with what the plan rests on: the Hub's Download (None for a
+    model on disk), the memory estimate, what detection read (``found``: already read by
+    the caller). ``memory_budget_bytes`` replaces the device's free memory in the fit."""
     from localrun.backends import installed_backends
 
     # Looked up on the module at call time, not bound at import: a binding made while a
     # test had replaced detect_hardware (tests/test_devices.py) outlived that test.
     profile = hardware if hardware is not None else _hardware.detect_hardware()
     engines = dict(installed) if installed is not None else installed_backends()
-    request = request_for(model, backend=backend, prefer=prefer,
-                          allow_unoptimized=allow_unoptimized, quant=quant)
+    request, found = request_for(model, backend=backend, prefer=prefer,
+                                 allow_unoptimized=allow_unoptimized, quant=quant,
+                                 device=device, found=found)
     chosen = select(profile, engines, request)
-    if request.format is not None:  # a model on disk: its own files size it
-        basis = _local_basis(model, request)
-        return (chosen if basis is None else
-                _with_estimate(chosen, basis, profile, context)), None
+    if found is not None:  # a model on disk: its own files size it
+        basis = _local_basis(found, request.shape)
+        if basis is None:
+            return Planned(chosen, found=found)
+        sized, est = _with_estimate(chosen, basis, profile, context, memory_budget_bytes)
+        return Planned(sized, estimate=est, found=found)
     if not hub or model is None:
-        return chosen, None
-    return _with_hub(chosen, model, profile, engines, backend, context, quant, allow_unoptimized,
-                     request)
+        return Planned(chosen)
+    planned, download = _with_hub(chosen, model, profile, engines, backend, context, quant,
+                                  allow_unoptimized, request, memory_budget_bytes)
+    return Planned(planned, download, download.memory)
 
 
 def _with_hub(chosen: Plan, model: str, profile: HardwareProfile, engines: Mapping[str, str],
               backend: str, context: int | None, quant: str | None, allow_unoptimized: bool,
-              request: PlanRequest) -> tuple[Plan, Download]:
+              request: PlanRequest, budget: int | None) -> tuple[Plan, Download]:
     from localrun import hub as hubmod
     from localrun.errors import FormatMismatchError, NoVariantError, OfflineMissingError
 
     def attempt(p: Plan) -> Download:
-        return hubmod.plan_fetch(model, backend=p.backend,
-                                 memory_budget_bytes=memory_budget(profile, p.device, p.backend),
-                                 context=context, quant=quant, device=p.device.split(":")[0],
-                                 allow_unoptimized=allow_unoptimized)
+        return hubmod.plan_fetch(
+            model, backend=p.backend, context=context, quant=quant,
+            memory_budget_bytes=budget if budget is not None
+            else memory_budget(profile, p.device, p.backend),
+            device=p.device.split(":")[0], allow_unoptimized=allow_unoptimized)
 
     try:
         fp = attempt(chosen)
     except (NoVariantError, FormatMismatchError, OfflineMissingError) as e:
         if backend != "auto":
             raise
-        chosen, fp = _other_engine(e, chosen, profile, engines, model, attempt)
+        chosen, fp = _other_engine(e, chosen, profile, engines, model, attempt,
+                                   request.device)
     if chosen.backend == "vllm" and request.weights_bytes is None:
         # Its tensor-parallel group was sized from the parameter count in the name
         # ("Mixtral-8x22B" reads as 22B) or not at all: size it from the Hub's weights.
@@ -191,7 +321,8 @@ def _offload_reasons(profile: HardwareProfile, chosen: Plan,
 
 def _other_engine(e: Exception, chosen: Plan, profile: HardwareProfile,
                   engines: Mapping[str, str], model: str,
-                  attempt: Callable[[Plan], Download]) -> tuple[Plan, Download]:
+                  attempt: Callable[[Plan], Download],
+                  device: str | None) -> tuple[Plan, Download]:
     """Auto mode, when the chosen engine has nothing to run: the next engine that does.
 
     A repo that is itself a variant decides the format: an engine that runs it natively.
@@ -213,13 +344,14 @@ def _other_engine(e: Exception, chosen: Plan, profile: HardwareProfile,
         order = [b for b in e.native_backends if b != chosen.backend]
     elif isinstance(e, OfflineMissingError):
         pulled = hubmod.pulled_backends(model)
-        order = [b for b in _next_engines(profile, engines, chosen.backend) if b in pulled]
+        order = [b for b in _next_engines(profile, engines, chosen.backend, device)
+                 if b in pulled]
     else:
-        order = _next_engines(profile, engines, chosen.backend)
+        order = _next_engines(profile, engines, chosen.backend, device)
     if not order:
         raise e
     for other in order[:4]:  # each try is a Hub search; a handful of engines is plenty
-        fallback = replace(chosen, backend=other, device=_device_for(profile, other),
+        fallback = replace(chosen, backend=other, device=_device_for(profile, other, device),
                            format=_native_format(other))
         try:
             fp = attempt(fallback)
@@ -235,17 +367,19 @@ def _other_engine(e: Exception, chosen: Plan, profile: HardwareProfile,
 
 
 def _next_engines(profile: HardwareProfile, engines: Mapping[str, str],
-                  exclude: str) -> list[str]:
+                  exclude: str, device: str | None) -> list[str]:
     """Installed engines in this host's order (its rules, then the fallbacks) that fit
-    its hardware, other than ``exclude``."""
+    its hardware (on ``device``, where one was asked for), other than ``exclude``."""
+    from localrun.planning.hosts import on_asked_device
     from localrun.planning.selection import DEVICE_FITS, PlanRequest, candidates
 
     out: list[str] = []
     for c in candidates(profile):
         if c.backend == exclude or c.backend in out or c.backend not in engines:
             continue
-        device, _, _ = DEVICE_FITS[c.device](profile, c, PlanRequest(backend=c.backend))
-        if device is not None:
+        req = PlanRequest(backend=c.backend, device=device)
+        fits, _, _ = on_asked_device(profile, c, req, DEVICE_FITS[c.device](profile, c, req))
+        if fits is not None:
             out.append(c.backend)
     return out
 
@@ -256,12 +390,12 @@ def _native_format(backend: str) -> str:
     return BACKENDS[backend].formats[0]
 
 
-def _device_for(profile: HardwareProfile, backend: str) -> str:
+def _device_for(profile: HardwareProfile, backend: str, device: str | None) -> str:
     """The device a fallback engine runs on: what selection would give it here."""
     from localrun.backends import installed_backends
 
     version = installed_backends().get(backend, "assumed")  # the build decides ONNX's device
-    plan = select(profile, {backend: version}, PlanRequest(backend=backend))
+    plan = select(profile, {backend: version}, PlanRequest(backend=backend, device=device))
     return plan.device
 
 
@@ -277,24 +411,20 @@ class _Basis:
     source: str
 
 
-def _local_basis(model: str | None, request: PlanRequest) -> _Basis | None:
+def _local_basis(found: DetectedModel, shape: ModelShape | None) -> _Basis | None:
     """A model on disk: the sizes of its weight files and the shape its GGUF header or
-    config.json gives."""
-    from localrun.naming.refs import local_path
-
-    path = local_path(model)
-    if path is None:
-        return None
-    path = Path(path)
+    config.json gives (:func:`memory.local_size`, as :func:`memory.local_estimate`;
+    ``shape``: its GGUF header's, read already)."""
+    path = Path(found.path)
     try:
-        weights = memory.local_weights_bytes(path)
-        shape, where = (request.shape, "GGUF header") if request.shape is not None \
-            else memory.local_shape(path)
+        size = memory.local_size(path) if shape is None else \
+            memory.LocalSize(memory.local_weights_bytes(path), shape, "GGUF header")
     except OSError:
         return None
-    shape_note = f"the shape in its {where}" if shape is not None else "no shape (KV cache unknown)"
-    return _Basis(weights, shape, f"the files of {path}: weights {weights / GiB:.2f} GiB, "
-                  f"{shape_note}")
+    shape_note = f"the shape in its {size.shape_from}" if size.shape is not None \
+        else "no shape (KV cache unknown)"
+    return _Basis(size.weights_bytes, size.shape, f"the files of {path}: weights "
+                  f"{size.weights_bytes / GiB:.2f} GiB, {shape_note}")
 
 
 #: A number of bits in a quantization's name: 4.0bpw, 4bit, int4, bf16, 6_5 (EXL2 branch).
@@ -367,23 +497,22 @@ def _size(billions: float) -> str:
 
 
 def _with_estimate(chosen: Plan, basis: _Basis, profile: HardwareProfile,
-                   context: int | None) -> Plan:
+                   context: int | None, budget: int | None = None
+                   ) -> tuple[Plan, MemoryEstimate]:
     """``chosen`` with the memory ``basis`` needs at the context the engine loads, on
-    its device, and whether that fits."""
-    trained = basis.shape.trained_context if basis.shape else None
-    ctx = memory.context_window(context, trained)
-    est = memory.estimate(basis.weights_bytes, basis.shape, ctx, backend=chosen.backend,
-                          device=chosen.device)
-    budget = memory_budget(profile, chosen.device, chosen.backend)
-    max_ctx = (memory.max_context(basis.weights_bytes, basis.shape, budget, limit=trained,
-                                  backend=chosen.backend, device=chosen.device)
-               if budget is not None else None)
-    fits = budget is None or est.total_bytes <= budget
-    mem = est.to_dict()
-    mem.update(budget=budget, context=ctx, max_context=max_ctx, fits=fits,
-               verdict=memory.verdict(est, budget, max_ctx), estimated_from=basis.source)
-    return replace(chosen, memory=mem,
-                   reasons=(*chosen.reasons, *_offload_reasons(profile, chosen, est)))
+    its device, and whether that fits (in ``budget``, else the device's free memory)."""
+    from localrun.backends import engine_memory
+
+    if budget is None:
+        budget = memory_budget(profile, chosen.device, chosen.backend)
+    f = memory.fit(basis.weights_bytes, basis.shape, context, budget,
+                   engine=engine_memory(chosen.backend, chosen.device))
+    mem = f.estimate.to_dict()
+    mem.update(budget=budget, context=f.context, max_context=f.max_context, fits=f.fits,
+               verdict=memory.verdict(f.estimate, budget, f.max_context),
+               estimated_from=basis.source)
+    return replace(chosen, memory=mem, reasons=(
+        *chosen.reasons, *_offload_reasons(profile, chosen, f.estimate))), f.estimate
 
 
 #: Share of unified memory a Mac's GPU may wire by default (macOS recommends ~65-75%).
@@ -418,20 +547,24 @@ def memory_budget(profile: HardwareProfile, device: str, backend: str | None = N
 
 
 def request_for(model: str | None, *, backend: str = "auto", prefer: Preference = "auto",
-                allow_unoptimized: bool = False, quant: str | None = None) -> PlanRequest:
-    """A PlanRequest for a reference: local files are detected; names are left to the Hub
-    (the packaged default's name too, when another quant is asked for)."""
+                allow_unoptimized: bool = False, quant: str | None = None,
+                device: str | None = None, found: DetectedModel | None = None
+                ) -> tuple[PlanRequest, DetectedModel | None]:
+    """A PlanRequest for a reference, and what detection read of a model on disk (None for
+    a name, left to the Hub: the packaged default's name too, when another quant is asked
+    for). ``found``: the model's files, detected by the caller already."""
     from localrun.formats.detect import detect
     from localrun.naming.refs import default_serves, is_default_name, local_path
     from localrun.naming.stores import DEFAULT_MODEL_ALIAS
 
-    path = local_path(model)
-    if path is not None and is_default_name(model) and not default_serves(quant):
-        path = None
-    if path is None:
-        return PlanRequest(model=model, backend=backend, prefer=prefer,
-                           allow_unoptimized=allow_unoptimized)
-    found = detect(path)
+    if found is None:
+        path = local_path(model)
+        if path is not None and is_default_name(model) and not default_serves(quant):
+            path = None
+        if path is None:
+            return PlanRequest(model=model, backend=backend, prefer=prefer,
+                               allow_unoptimized=allow_unoptimized, device=device), None
+        found = detect(path)
     size = found.details.get("file_size")
     shape = None
     if found.format == "gguf":  # its layers size a partial GPU offload
@@ -443,8 +576,8 @@ def request_for(model: str | None, *, backend: str = "auto", prefer: Preference 
         model=model or DEFAULT_MODEL_ALIAS, backend=backend, format=found.format,
         quantization=found.quantization, architecture=found.architecture,
         weights_bytes=size if isinstance(size, int) else None, prefer=prefer,
-        allow_unoptimized=allow_unoptimized, shape=shape,
-    )
+        allow_unoptimized=allow_unoptimized, shape=shape, device=device,
+    ), found
 
 
-__all__ = ["memory_budget", "plan", "plan_fetch", "request_for"]
+__all__ = ["Planned", "memory_budget", "plan", "plan_model", "request_for"]

@@ -34,6 +34,7 @@ from localrun.planning.hosts import (
     host_kind,
     installed_build_device,
     llama_offload,
+    on_asked_device,
     vllm_device,
 )
 
@@ -141,6 +142,12 @@ class Plan:
     repo: str | None = None
     files: tuple[str, ...] | None = None
     memory: dict[str, Any] | None = None
+    #: the catalog's draft model for speculative decoding on this engine, with its
+    #: memory: {"model": alias, "memory": {...}}; None where the family has none
+    draft: dict[str, Any] | None = None
+    #: a vision model's image part: its projector file and the image-token budget
+    #: ({"projector", "tokens_per_image", "images_per_request"}); None: text only
+    images: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -172,14 +179,24 @@ def select(profile: HardwareProfile, installed: Mapping[str, str],
            request: PlanRequest | None = None) -> Plan:
     """Plan which engine, format, quantization and device to use. Pure; no I/O.
 
-    Raises FormatMismatchError when an explicit backend cannot run the request's
+    A device the caller asked for (``request.device``) is planned for: the engines that
+    run there, in the host's order, and the plan names it as given; where none does (a
+    device this profile does not show), the plan is the host's, on that device, and says
+    so. Raises FormatMismatchError when an explicit backend cannot run the request's
     format, and NoSuitableEngineError when no engine can run it on this host.
     """
     req = request or PlanRequest()
     kind = host_kind(profile)
-    if req.backend and req.backend != "auto":
-        return _explicit(profile, installed, req, kind)
-    return _auto(profile, installed, req, kind)
+    pick = _explicit if req.backend and req.backend != "auto" else _auto
+    if req.device is None:
+        return pick(profile, installed, req, kind)
+    try:
+        return pick(profile, installed, req, kind)
+    except NoSuitableEngineError:
+        plan = pick(profile, installed, replace(req, device=None), kind)
+    return replace(plan, device=req.device, notes=(*plan.notes, (
+        f"device {req.device!r} was asked for: no engine is planned for it on this host "
+        f"({describe_host(profile)}); {plan.backend} is loaded on it as asked")))
 
 
 def _host_notes(profile: HardwareProfile, kind: HostKind) -> list[str]:
@@ -225,7 +242,8 @@ def _auto(profile: HardwareProfile, installed: Mapping[str, str], req: PlanReque
                     if fmt in compat.COMPAT and c not in FALLBACKS:
                         passed.append((c.backend, _format_why(fmt, c.backend, level)))
                 continue
-        device, why, extra = DEVICE_FITS[c.device](profile, c, req)
+        device, why, extra = on_asked_device(profile, c, req,
+                                             DEVICE_FITS[c.device](profile, c, req))
         if device is None:
             if (c.backend, why) not in passed:
                 passed.append((c.backend, why))
@@ -243,7 +261,7 @@ def _auto(profile: HardwareProfile, installed: Mapping[str, str], req: PlanReque
     if better:
         # Nothing installed fits: plan the best engine anyway and say what to install.
         c, device = better[0]
-        _, why, extra = DEVICE_FITS[c.device](profile, c, req)
+        _, why, extra = on_asked_device(profile, c, req, DEVICE_FITS[c.device](profile, c, req))
         passed = [(b, w) for b, w in passed if not (b == c.backend and "not installed" in w)]
         return _plan(profile, req, kind, c, device, why, extra, reasons, passed, better[1:],
                      installed=False)
@@ -336,8 +354,8 @@ def _explicit(profile: HardwareProfile, installed: Mapping[str, str], req: PlanR
     try:
         auto = _auto(profile, installed, PlanRequest(
             model=req.model, format=req.format, quantization=req.quantization,
-            architecture=req.architecture, weights_bytes=req.weights_bytes, prefer=req.prefer),
-            kind)
+            architecture=req.architecture, weights_bytes=req.weights_bytes, prefer=req.prefer,
+            device=req.device), kind)
         if auto.backend != name:
             reasons.append(f"auto mode would pick {auto.backend} on {auto.device}")
     except (NoSuitableEngineError, FormatMismatchError):
@@ -349,7 +367,8 @@ def _explicit(profile: HardwareProfile, installed: Mapping[str, str], req: PlanR
 
         raise LocalrunError(f"localrun plans nothing for backend={name}: the server runs "
                             "the model", hint="run it: localrun run MODEL --base-url URL")
-    fits = [(c, DEVICE_FITS[c.device](profile, c, req)) for c in options]
+    fits = [(c, on_asked_device(profile, c, req, DEVICE_FITS[c.device](profile, c, req)))
+            for c in options]
     good = [(c, f) for c, f in fits if f[0] is not None]
     hw_notes: list[str] = []
     if good:
@@ -359,8 +378,8 @@ def _explicit(profile: HardwareProfile, installed: Mapping[str, str], req: PlanR
         why, extra = cpu_why or why, extra + cpu_note
     else:
         c, (_, bad, extra) = fits[0]
-        device = {"cuda": "cuda:0", "cuda-multi": "cuda:0", "metal": "metal",
-                  "rocm": "rocm:0", "vllm": vllm_device(profile)}.get(c.device, "cpu")
+        device = req.device or {"cuda": "cuda:0", "cuda-multi": "cuda:0", "metal": "metal",
+                                "rocm": "rocm:0", "vllm": vllm_device(profile)}.get(c.device, "cpu")
         hw_notes.append(f"warning: {name} {bad}: loading it on this host will fail")
         why = f"on {device}"
     plan = _plan(profile, req, kind, c, str(device), why, extra, reasons, [], [],

@@ -77,8 +77,16 @@ def loaded_entry(m: Loaded, paths: bool = False) -> dict[str, Any]:
              "owned_by": "localrun", "loaded": True, "kind": m.kind, "backend": i.backend,
              "format": i.format, "quantization": i.quantization, "device": i.device,
              "context_length": i.context_length, "expires_at": m.expires_wall(),
-             "parallel": m.slots, "pinned": m.pinned, "presets": sorted(m.presets)}
+             "parallel": m.slots, "pinned": m.pinned, "presets": sorted(m.presets),
+             "adapters": adapter_entries(i.adapters, paths)}
     return {**entry, "path": i.path} if paths else entry
+
+
+def adapter_entries(adapters: Any, paths: bool) -> list[dict[str, Any]]:
+    """The LoRA adapters a model loaded with, as a request's ``lora`` names them (its
+    ``id`` or ``name``) with their load-time scale (llama-server's /lora-adapters)."""
+    return [{"id": k, "name": a.label, "scale": a.scale, **({"path": a.path} if paths else {})}
+            for k, a in enumerate(adapters)]
 
 
 def loaded_entries(st: ServerState, paths: bool) -> list[dict[str, Any]]:
@@ -200,7 +208,8 @@ def ollama_ps(st: ServerState) -> list[dict[str, Any]]:
                     # localrun's: requests it runs at once, and how many do now; named
                     # on the command line (kept loaded); the presets it has served
                     "parallel": m.slots, "running": m.running, "waiting": m.waiting,
-                    "pinned": m.pinned, "presets": sorted(m.presets)})
+                    "pinned": m.pinned, "presets": sorted(m.presets),
+                    "adapters": adapter_entries(i.adapters, shows_paths(st))})
     return out
 
 

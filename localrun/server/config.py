@@ -6,7 +6,9 @@ import ipaddress
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
+from localrun.adapters import Adapter
 from localrun.errors import LocalrunError
 
 #: The documented default port. Chosen to collide with none of the servers people run
@@ -56,6 +58,13 @@ class ServerConfig:
     backend: str = "auto"
     context: int | None = None
     allow_unoptimized: bool = False
+    #: LoRA adapters the command line's models load with (``--lora``); a load's own
+    #: config holds the set that load uses (copies.ask: a preset's, else these for the
+    #: command line's models, else none)
+    adapters: tuple[Adapter, ...] = ()
+    #: every served model's speculative decoding (serve --speculative); None: "auto"
+    speculative: str | None = None
+    exact: bool = False  # --exact: every model it loads (README, "Speed")
     #: Host names answered beside the bound address's own (a reverse proxy's); "*": any
     allowed_hosts: tuple[str, ...] = ()
     #: API requests may download models (/api/pull, a name not in the cache); an API
@@ -65,6 +74,15 @@ class ServerConfig:
     allow_local_paths: bool = False
     #: /api/delete may delete model files (what localrun pulled); an API key allows it too
     allow_delete: bool = False
+    #: image URLs (http/https) in requests are fetched by the server, bounded in bytes
+    #: and time (localrun.server.imagefetch); without it they are refused, nothing fetched
+    allow_image_urls: bool = False
+
+    def load_options(self) -> dict[str, Any]:
+        """What a load of its own takes from it beside the engine and context: its LoRA
+        adapters, the mode (``exact``) and ``speculative``."""
+        return {"adapters": self.adapters, "exact": self.exact,
+                "speculative": self.speculative}
 
     def check(self) -> None:
         """Refuse settings that make no sense, or that would expose the server unasked."""

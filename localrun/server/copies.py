@@ -11,8 +11,11 @@ file (``/x/m.gguf``, ``/x``, ``/x/./m.gguf``, a symlink, the alias it was pulled
 device and inode), and a request's context is the one the engine would load (``num_ctx``
 capped at the context the model was trained for, as :func:`localrun.memory.context_window`
 decides for every engine, then rounded up as the engine rounds it: llama.cpp pads to
-256). That triple is a loaded model's key. At most :data:`MAX_COPIES` contexts of one
-file are loaded at once (see :class:`localrun.server.manager.ModelManager`).
+256). That triple, the LoRA adapters it loaded with (:func:`adapters_for`: a
+preset's own, ``serve --lora``'s for the command line's models, else none) and its mode
+(``exact``: serve's ``--exact`` or the preset's) are a loaded model's key. At most
+:data:`MAX_COPIES` contexts of one file are loaded at once (see
+:class:`localrun.server.manager.ModelManager`).
 """
 
 from __future__ import annotations
@@ -234,16 +237,34 @@ class PresetTable:
 
 def ask(name: str, context: int | None, config: ServerConfig,
         table: PresetTable) -> Asked:
-    """What ``name`` asks for (a preset read first); PresetError (a 400) for a preset
-    that cannot load (one with an adapter, until adapters load)."""
+    """What ``name`` asks for (a preset read first); a PresetError or AdapterError (a
+    400) for a preset that cannot load. ``config.adapters`` becomes the LoRA adapters
+    this name loads with (:func:`adapters_for`)."""
     preset = table.get(name)
     if preset is None:
-        return Asked(name, name, context, config)
+        return Asked(name, name, context, adapters_for(name, None, config))
     model, backend, ctx, unoptimized = preset.load_args(config.backend, context,
                                                         config.allow_unoptimized)
-    if (backend, unoptimized) != (config.backend, config.allow_unoptimized):
-        config = replace(config, backend=backend, allow_unoptimized=unoptimized)
-    return Asked(name, model, ctx, config, preset)
+    exact = config.exact or preset.exact
+    if (backend, unoptimized, exact) != (config.backend, config.allow_unoptimized,
+                                         config.exact):
+        config = replace(config, backend=backend, allow_unoptimized=unoptimized, exact=exact)
+    return Asked(name, model, ctx, adapters_for(name, preset, config), preset)
+
+
+def adapters_for(name: str, preset: Preset | None, config: ServerConfig) -> ServerConfig:
+    """``config`` holding the adapters ``name`` loads with: a preset's own; else the
+    command line's ``--lora`` for a model named on the command line; else none. A
+    loaded copy serves a request only when it was loaded with that set."""
+    from localrun.adapters import normalize
+
+    if preset is not None and preset.adapters:
+        chosen = normalize(preset.adapters)
+    elif name in config.models:
+        chosen = config.adapters
+    else:
+        chosen = ()
+    return config if chosen == config.adapters else replace(config, adapters=chosen)
 
 
 class PresetModel:

@@ -15,10 +15,14 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from localrun.backends import BACKENDS
 from localrun.backends.base import Embedder as EngineEmbedder
 from localrun.server.errors import APIError
+
+if TYPE_CHECKING:
+    from localrun.resolve import Target
 
 #: GGUF architectures that are encoders: they embed and cannot generate.
 ENCODER_ARCHITECTURES = frozenset({
@@ -88,10 +92,12 @@ def embedding_only(path: str, fmt: str) -> bool:
 
 
 def load_embedder(name: str, *, backend: str = "auto", context: int | None = None,
-                  allow_unoptimized: bool = False) -> Embedder:
-    from localrun.resolve import resolve
+                  allow_unoptimized: bool = False, target: Target | None = None) -> Embedder:
+    """Load ``name`` to embed (``target``: resolved already, downloaded here if need be)."""
+    from localrun.resolve import fetch_target, resolve
 
-    target = resolve(name, backend=backend, allow_unoptimized=allow_unoptimized)
+    target = fetch_target(target) if target is not None else \
+        resolve(name, backend=backend, allow_unoptimized=allow_unoptimized)
     if not embedding_only(target.path, target.format):
         raise APIError(400, f"'{name}' is a text-generation model: it has no embedding head. "
                        "Use an embedding model (a GGUF or OpenVINO IR of e.g. "

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from localrun import errors as E
+from localrun.adapters import AdapterError
 
 
 class APIError(Exception):
@@ -102,6 +103,8 @@ def from_localrun(exc: E.LocalrunError, *, param: str | None = None) -> APIError
         return APIError(400, text, param="messages", code="context_length_exceeded")
     if isinstance(exc, E.InvalidSamplingError):
         return APIError(400, text, param=param or exc.option, code="invalid_value")
+    if isinstance(exc, AdapterError):  # a LoRA adapter not loaded, not loadable
+        return APIError(400, text, param=param or "lora", code="invalid_value")
     if isinstance(exc, E.UnsupportedFeatureError):  # logprobs/echo/token ids on this engine
         return APIError(400, text, param=param or exc.option, code="unsupported_parameter")
     if isinstance(exc, E.StructuredOutputError):

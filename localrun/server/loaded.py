@@ -10,17 +10,17 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from localrun.backends.base import Footprint
 from localrun.errors import LocalrunError
 from localrun.server.config import ServerConfig
 from localrun.server.copies import FileId, PresetModel
-from localrun.server.sizing import Batch, Kind, kept_bytes
+from localrun.server.sizing import Batch, Kind, estimate_loaded
 from localrun.types import ModelInfo
 
 if TYPE_CHECKING:
     from localrun.naming.presets import Preset
-    from localrun.server.manager import ModelManager
 
 #: ``--parallel``'s default for a model on the CPU whose engine batches: requests it runs
 #: at once. A CPU's decode is bound by memory bandwidth: past a few sequences each reply
@@ -32,8 +32,10 @@ DEFAULT_PARALLEL_CPU = 4
 log = logging.getLogger("localrun.server")
 
 #: A loaded model's key: what it is, which file (copies.file_id), which engine opened it,
-#: at what context. A preset is no part of it: its requests share its model's copy.
-Key = tuple[Kind, FileId, str, int | None]
+#: at what context, with which LoRA adapters, exact or fast. A preset is no part of it:
+#: its requests share its model's copy (one loaded with the preset's adapters and mode,
+#: where they differ from the model's).
+Key = tuple[Kind, FileId, str, int | None, tuple[Any, ...], bool]
 
 
 @dataclass(eq=False)
@@ -45,7 +47,7 @@ class Loaded:
     context: int | None  # the context the engine loaded it with
     handle: Any
     info: ModelInfo
-    size: int  # bytes it is counted as (estimate, see sizing.footprint)
+    size: int  # bytes it is counted as (its Model.footprint at its slots)
     pinned: bool  # named on the command line: no keep-alive expiry
     keep_alive: float | None
     load_seconds: float
@@ -71,7 +73,8 @@ class Loaded:
 
     @property
     def key(self) -> Key:
-        return (self.kind, self.file, self.info.backend, self.context)
+        return (self.kind, self.file, self.info.backend, self.context, self.info.adapters,
+                self.info.exact)
 
     @property
     def waiting(self) -> int:
@@ -86,11 +89,17 @@ class Loaded:
         return time.time() + self.keep_alive  # busy now: keep-alive counts from the end
 
 
+class Holder(Protocol):
+    """What a lease gives its slot and place back to (the server's ModelManager)."""
+
+    def _release(self, lease: Lease) -> None: ...
+
+
 class Lease:
     """One request's hold on a model: a place in its queue, then its slot. ``preset``:
     the preset the request named, applied to each call on the shared copy."""
 
-    def __init__(self, manager: ModelManager, loaded: Loaded, keep_alive: float | None,
+    def __init__(self, manager: Holder, loaded: Loaded, keep_alive: float | None,
                  preset: Preset | None = None) -> None:
         self.manager = manager
         self.loaded = loaded
@@ -120,47 +129,44 @@ class Lease:
 
 def wanted(config: ServerConfig, name: str, kind: Kind, handle: Any) -> Batch:
     """Requests ``handle`` would run at once: ``--parallel`` (by default
-    :data:`DEFAULT_PARALLEL_CPU` on the CPU, the engine's capacity elsewhere), at
-    most what its engine batches; 1 for an engine that runs one sequence at a time,
-    and for embedders. The model is told first (``Model.limit_concurrency``), so
-    that its batcher holds no more slots than that. One that would hold memory per
-    slot from the start (llama.cpp's batch context) is not built here: its slots
-    and their bytes are known without it (``Model.batch_slots``), and
-    :func:`settle` builds it once memory has had its say. Any other is built to
-    learn its capacity (that holds nothing up front); ``--parallel 1`` builds none."""
-    parallel, kept = config.parallel, kept_bytes(handle, kind)
-    if kind != "chat" or parallel == 1:
-        return Batch(1, kept=kept)
+    :data:`DEFAULT_PARALLEL_CPU` on the CPU, the engine's capacity elsewhere), at most
+    what its engine batches; 1 for an engine that runs one sequence at a time, and for
+    embedders. The model is told first (``Model.limit_concurrency``), so that its
+    batcher holds no more slots than that; what each count holds is its
+    ``Model.footprint``, which builds no batcher that would hold memory per slot from
+    the start (llama.cpp's batch context): :func:`settle` builds that once memory has
+    had its say. ``--parallel 1`` builds none."""
+    if kind != "chat":  # an embedder: its estimate, one input list at a time
+        est = estimate_loaded(handle.info, handle.info.context_length)
+        return Batch.alone(Footprint(1, est.total_bytes if est is not None else 0, 0, 0))
+    one: Footprint = handle.footprint(1)
+    parallel = config.parallel
+    if parallel == 1:
+        return Batch.alone(one)
     if parallel is None and (handle.info.device or "cpu").lower() == "cpu":
         parallel = DEFAULT_PARALLEL_CPU
     try:
         if parallel is not None:
             handle.limit_concurrency(parallel)
-        plan: tuple[int, int] | None = handle.batch_slots
-        if plan is not None:
-            capacity, per_slot = plan
-            return Batch(max(1, min(capacity, parallel or capacity)), per_slot,
-                          kept=kept)
-        capacity = max(1, int(handle.max_concurrency))
-        want = min(parallel, capacity) if parallel is not None else capacity
-        return Batch(want, reserved=handle.batch_reserved_bytes if want > 1 else 0,
-                      kept=kept)
+        most: Footprint = handle.footprint(parallel)
     except LocalrunError as e:  # the batcher could not be built: one at a time
         log.warning("%s runs one request at a time: %s", name, e)
-        return Batch(1, kept=kept)
+        return Batch.alone(one)
+    return Batch(most.slots, one, most) if most.slots > 1 else Batch.alone(one)
 
-def settle(name: str, handle: Any, batch: Batch, slots: int) -> tuple[int, int | None]:
-    """Build the batcher of a model that runs ``slots`` of ``batch.want`` at once,
-    where :func:`wanted` left it unbuilt, with those slots (none for 1); the slots
-    it runs and what its batcher holds (:func:`footprint`)."""
-    if not batch.per_slot:
-        return slots, batch.reserved_at(slots)
+
+def settle(name: str, handle: Any, batch: Batch, slots: int) -> Footprint:
+    """Run ``slots`` of ``batch.want`` at once: the batcher :func:`wanted` left unbuilt
+    is built with those slots (none for 1), one built already runs no more than that;
+    what the engine then holds (``Model.footprint``: its ``slots`` are those it runs)."""
+    if batch.want == 1:
+        return batch.one
     try:
         handle.limit_concurrency(slots)  # the batch context's KV streams; 1: none
         if slots > 1:  # built now: memory may hold fewer than when it was planned
             slots = min(slots, max(1, int(handle.max_concurrency)))
-        reserved: int | None = handle.batch_reserved_bytes if slots > 1 else 0
+        held: Footprint = handle.footprint(slots)
     except LocalrunError as e:
         log.warning("%s runs one request at a time: %s", name, e)
-        return 1, 0
-    return slots, reserved
+        return batch.one
+    return held

@@ -5,15 +5,13 @@ Any name localrun accepts loads on its first request (plan → fit check → fet
 whose engine batches (``Model.max_concurrency`` > 1) runs up to ``--parallel`` requests
 at once, together in its engine's batch; any other runs one at a time. At most
 ``max_queue`` more wait, and the next one gets 429 with ``Retry-After``. A model counts
-as its weights, overhead and one KV cache, plus what its engine's batcher holds beyond
-that to run several at once (``Model.batch_reserved_bytes``: llama.cpp's batch context;
-nothing where the sequences share the model's KV cache; where it is not fixed, one more
-KV cache per slot), and what its engine keeps between calls for KV reuse
-(``Model.kept_cache_bytes``: MLX's prompt caches). A batcher that holds memory per slot
-from the start (llama.cpp's: a KV stream each, ``Model.batch_slots``) is sized to what
-memory holds before it is built (``Model.limit_concurrency``; none at all when only one
-request fits). Idle models unload after their keep-alive, and when a model about to
-load would not fit, idle models go first, least recently used first.
+as what its engine holds running its slots at once (``Model.footprint``: weights,
+overhead, KV cache, a batch context's streams, what it keeps between calls for KV
+reuse); a batcher that holds memory per slot from the start (llama.cpp's) is sized to
+what memory holds before it is built (``Model.limit_concurrency``; none at all when only
+one request fits), by the one budget policy (:func:`localrun.memory.budget`). Idle
+models unload after their keep-alive, and when a model about to load would not fit, idle
+models go first, least recently used first.
 
 A name is looked up on disk before the load lock is taken (bounded: formats/detect.py),
 and the client may leave during any wait. Loaded models are keyed by file, engine and
@@ -38,10 +36,12 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from localrun.backends.base import Footprint
 from localrun.errors import LocalrunError, ModelTooLargeError
+from localrun.memory import budget
 from localrun.server.config import ServerConfig
 from localrun.server.copies import (
     MAX_COPIES,
@@ -63,9 +63,7 @@ from localrun.server.sizing import (
     Kind,
     available_ram,
     estimate_bytes,
-    estimate_loaded,
-    footprint,
-    kept_bytes,
+    plan_model,
 )
 from localrun.server.waiting import left, wait
 from localrun.types import ModelInfo
@@ -73,7 +71,6 @@ from localrun.types import ModelInfo
 __all__ = ["DEFAULT_PARALLEL_CPU", "Key", "Lease", "Loaded", "ModelManager", "Unloading"]
 
 if TYPE_CHECKING:
-    from localrun.memory import MemoryEstimate
     from localrun.resolve import Target
 
 log = logging.getLogger("localrun.server")
@@ -147,16 +144,17 @@ class ModelManager:
             found = self._pick("chat", mf, asked)
             if found is None:
                 t0 = time.monotonic()
+                lora = {"adapters": asked.config.adapters} if asked.config.adapters else {}
                 if load is None:
                     handle = self._loader(asked.model, asked.config, asked.context)
                 elif asked.preset is None:
-                    handle = load(asked.model)
+                    handle = load(asked.model, **lora)
                 else:
                     handle = load(asked.model, context=asked.context, backend=asked.backend,
-                                  allow_unoptimized=asked.config.allow_unoptimized)
+                                  allow_unoptimized=asked.config.allow_unoptimized,
+                                  exact=asked.config.exact, **lora)
                 found = self._register(_shown(asked), "chat", asked.context, handle,
-                                       time.monotonic() - t0, pinned=True, size=None,
-                                       learn=False)
+                                       time.monotonic() - t0, pinned=True, learn=False)
                 out.append(found)
                 mf = ModelFile.of(found.info)
             self._names.learn("chat", asked.model, asked.backend, mf)
@@ -285,45 +283,47 @@ class ModelManager:
             if found is not None:
                 self._names.learn(kind, name, asked.backend, mf)
                 return found
+        if target is None:  # not on disk: planned here, once (the Hub's model info, the
+            # files, the estimate), and the loader downloads what the plan chose
+            target = await asyncio.to_thread(plan_model, name, context, config)
         need = await asyncio.to_thread(estimate_bytes, name, context, config, target)
-        await self._make_room(need, asked.name)
+        if await self._make_room(need, asked.name) and _stale(target):
+            target = await asyncio.to_thread(plan_model, name, context, config)
         loader = self._loader if kind == "chat" else self._embed_loader
         t0 = time.monotonic()
         while True:
             try:
-                handle = await asyncio.to_thread(loader, name, config, context)
+                handle = await asyncio.to_thread(loader, name, config, context, target)
                 break
             except ModelTooLargeError:
-                # the library's own fit check (a Hub model we could not size first):
-                # free what is idle and try again, then give up with its numbers
+                # the library's own fit check (the download's): free what is idle and
+                # plan again, then give up with its numbers
                 victim = self._lru_idle()
                 if victim is None:
                     raise
                 await self._unload(victim, f"to make room for {asked.name}")
+                if not target.fetched:
+                    target = await asyncio.to_thread(plan_model, name, context, config)
         seconds = time.monotonic() - t0
         opened = ModelFile.of(handle.info)
         contexts = {f.context(kind, context, config) for f in (mf, opened) if f}
         same = self.models.get((kind, opened.id, handle.info.backend,
-                                handle.info.context_length))
+                                handle.info.context_length, handle.info.adapters,
+                                handle.info.exact))
         if same is not None:  # a name first seen now (a Hub alias) for a loaded copy
             await asyncio.to_thread(handle.close)
             same.serves |= contexts
             self._names.learn(kind, name, asked.backend, opened)
             return same
         try:
-            est = await asyncio.to_thread(estimate_loaded, handle.info, context)
-            kv = est.kv_cache_bytes if est is not None else 0
-            base = need if need is not None else (est.total_bytes if est is not None else 0)
             batch = await asyncio.to_thread(wanted, self.config, name, kind, handle)
-            slots = await self._room_for_slots(name, base, kv, batch)
-            slots, reserved = await asyncio.to_thread(settle, name, handle,
-                                                      batch, slots)
+            slots = await self._room_for_slots(name, batch)
+            held = await asyncio.to_thread(settle, name, handle, batch, slots)
         except BaseException:
             await asyncio.to_thread(handle.close)
             raise
         m = self._register(_shown(asked), kind, context, handle, seconds, pinned=False,
-                           size=need, slots=slots, estimate=est, reserved=reserved,
-                           learn=False)
+                           held=held, learn=False)
         self._names.learn(kind, name, asked.backend, opened)
         m.serves |= contexts
         copies = self._copies(kind, m.file, m.info.backend)  # a Hub name's: known now
@@ -344,8 +344,14 @@ class ModelManager:
         """The loaded copy a request for ``asked`` (``mf``: its file) gets."""
         if mf is None:
             return None
-        return pick(self._copies(kind, mf.id, mf.backend), mf, kind, asked.model,
-                    asked.context, asked.config)
+        # with its adapters; an exact request (serve --exact, a preset saved with exact)
+        # only on an exact copy: a fast copy's replies depend on its cache and batch. A
+        # request in the default mode may run on either (an exact copy is correct, if
+        # slower), as on a model the caller loaded and handed to the server.
+        copies = [m for m in self._copies(kind, mf.id, mf.backend)
+                  if kind != "chat" or (m.info.adapters == asked.config.adapters
+                                        and (m.info.exact or not asked.config.exact))]
+        return pick(copies, mf, kind, asked.model, asked.context, asked.config)
 
     async def _within_copies(self, asked: Asked, kind: Kind, mf: ModelFile
                              ) -> Loaded | None:
@@ -374,27 +380,21 @@ class ModelManager:
                        headers={"Retry-After": str(retry)})
 
     def _register(self, name: str, kind: Kind, context: int | None, handle: Any,
-                  seconds: float, *, pinned: bool, size: int | None,
-                  slots: int | None = None, estimate: MemoryEstimate | None = None,
-                  reserved: int | None = None, learn: bool = True) -> Loaded:
+                  seconds: float, *, pinned: bool, held: Footprint | None = None,
+                  learn: bool = True) -> Loaded:
         """Make a loaded ``handle`` servable (``learn``: its name leads to it, under the
-        server's engine). ``size``: its estimate for one sequence
-        (None: from its files); ``reserved``: what its batcher holds beyond that (see
-        :func:`footprint`). ``slots`` None: decided here, as many as ``--parallel`` asks
-        and memory holds beside the models loaded (none unload: this is for the models
-        named on the command line, before serving), as :meth:`_load` decides them."""
-        est = estimate or estimate_loaded(handle.info, context)
-        if size is None:
-            size = est.total_bytes if est is not None else 0
-        kv = est.kv_cache_bytes if est is not None else 0
-        if slots is None:
+        server's engine), counted as what its engine holds (``held``: its
+        ``Model.footprint`` at the slots it runs). ``held`` None: its slots decided here,
+        as many as ``--parallel`` asks and memory holds beside the models loaded (none
+        unload: this is for the models named on the command line, before serving), as
+        :meth:`_load` decides them."""
+        if held is None:
             batch = wanted(self.config, name, kind, handle)
-            slots = self._most_slots(name, size, kv, batch, 0)
-            slots, reserved = settle(name, handle, batch, slots)
+            held = settle(name, handle, batch, self._most_slots(name, batch, 0))
         info: ModelInfo = handle.info
-        size = footprint(size, kv, slots, reserved) + kept_bytes(handle, kind)
+        slots = held.slots
         m = Loaded(name=name, kind=kind, context=info.context_length or context,
-                   handle=handle, info=info, size=size, pinned=pinned,
+                   handle=handle, info=info, size=held.total, pinned=pinned,
                    keep_alive=self.config.keep_alive, load_seconds=seconds, slots=slots,
                    file=file_id(info.path))
         self.models[m.key] = m
@@ -406,48 +406,52 @@ class ModelManager:
                  else f"runs up to {slots} requests at once")
         return m
 
-    async def _room_for_slots(self, name: str, base: int, kv: int, batch: Batch) -> int:
-        """Room for a model just loaded (``base`` bytes for one sequence) to run
-        ``batch.want`` at once (:func:`footprint`): idle models unload, least recently
-        used first; what memory still cannot hold runs fewer at once."""
+    async def _room_for_slots(self, name: str, batch: Batch) -> int:
+        """Room for a model just loaded to run ``batch.want`` at once
+        (:meth:`Batch.size`): idle models unload, least recently used first; what memory
+        still cannot hold runs fewer at once."""
         slots = batch.want
-        size = batch.size(base, kv, slots)
+        size = batch.size(slots)
         freed = 0
-        while slots > 1 and not self._fits(size, freed, loaded=base):
+        while slots > 1 and not self._fits(size, freed, loaded=batch.one.running):
             victim = self._lru_idle()
             if victim is None:
                 break
             freed += victim.size
             await self._unload(victim, f"least recently used; {name} runs {slots} requests "
                                f"at once in {size / 2**30:.2f} GiB")
-        return self._most_slots(name, base, kv, batch, freed)
+        return self._most_slots(name, batch, freed)
 
-    def _most_slots(self, name: str, base: int, kv: int, batch: Batch, freed: int) -> int:
-        """The most of ``batch.want`` a model (``base`` bytes for one sequence, loaded)
-        runs at once beside the others (:func:`footprint`); 1 where no batcher fits.
-        What its batcher holds is not in memory yet, or is counted in ``base``."""
+    def _most_slots(self, name: str, batch: Batch, freed: int) -> int:
+        """The most of ``batch.want`` a loaded model runs at once beside the others
+        (:meth:`Batch.size`); 1 where no batcher fits. What it holds for one sequence is
+        in memory already (``batch.one``), what more would hold is not yet."""
         fit = batch.want
-        while fit > 1 and not self._fits(batch.size(base, kv, fit), freed, loaded=base):
+        while fit > 1 and not self._fits(batch.size(fit), freed, loaded=batch.one.running):
             fit -= 1
         if fit < batch.want:
             log.warning("%s runs %d requests at once, not %d: memory cannot hold the "
                         "%.2f GiB that takes", name, fit, batch.want,
-                        batch.size(base, kv, batch.want) / 2**30)
+                        batch.size(batch.want) / 2**30)
         return fit
 
     def _fits(self, need: int, freed: int, *, loaded: int = 0) -> bool:
-        """Whether a model of ``need`` bytes fits beside the others (``loaded``: bytes of
-        it already in memory, which the OS no longer shows as available)."""
-        if self.config.max_memory is not None:
-            used = sum(m.size for m in self.models.values())
-            return used + need <= self.config.max_memory
-        # what is free now, plus what unloading has given back but the OS may not
-        # show yet
-        return need - loaded <= self._available() + freed
+        """Whether a model of ``need`` bytes fits beside the others: the one budget policy
+        (:func:`localrun.memory.budget`) under ``--max-memory`` (the models' sizes count),
+        else against what the OS shows available, plus what unloading has given back but
+        the OS may not show yet (``freed``) and what of it is in memory already
+        (``loaded``)."""
+        limit = self.config.max_memory
+        if limit is not None:
+            return need <= budget(None, limit=limit,
+                                  used=sum(m.size for m in self.models.values()))
+        return need <= budget(self._available(), freed=freed, resident=loaded)
 
-    async def _make_room(self, need: int | None, name: str) -> None:
+    async def _make_room(self, need: int | None, name: str) -> int:
+        """Unload idle models, least recently used first, until ``need`` bytes fit;
+        the bytes freed."""
         if need is None:
-            return
+            return 0
         freed = 0
         while not self._fits(need, freed):
             victim = self._lru_idle()
@@ -457,7 +461,7 @@ class ModelManager:
             await self._unload(victim, f"least recently used; {name} needs "
                                f"{need / 2**30:.2f} GiB")
         if self._fits(need, freed):
-            return
+            return freed
         if self.config.max_memory is not None:
             busy = [m.name for m in self.models.values() if m.active and not m.pinned]
             if busy:
@@ -470,6 +474,7 @@ class ModelManager:
                            "load it with a smaller context)", param="model",
                            code="model_too_large")
         # without --max-memory the library's own check decides (with its numbers)
+        return freed
 
     def _lru_idle(self) -> Loaded | None:
         """The idle model used longest ago; models named on the command line stay."""
@@ -553,19 +558,34 @@ def _shown(asked: Asked) -> str:
 
 # -- what loads models -------------------------------------------------------------------
 
-def _load_chat(name: str, config: ServerConfig, context: int | None) -> Any:
+def _stale(target: Target) -> bool:
+    """Whether a plan's fit was judged on less memory than there is now (a download that
+    did not fit, planned before idle models were unloaded)."""
+    return target.download is not None and not target.fetched and not target.download.fits
+
+
+def _load_chat(name: str, config: ServerConfig, context: int | None,
+               target: Target | None = None) -> Any:
+    """Load ``name`` to chat: its ``target`` (resolved by the manager: downloaded here
+    if need be, not resolved again), else :func:`localrun.load`."""
     import warnings
 
-    from localrun.api import load
+    from localrun.api import load, open_target
+    from localrun.resolve import count_adapters, fetch_target
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the unoptimized-format warning: the CLI said it
+        if target is not None:
+            target = count_adapters(target, config.adapters)  # refused or counted in the fit
+            return open_target(replace(fetch_target(target), context=context or
+                                       config.context), **config.load_options())
         return load(name, backend=config.backend, context=context or config.context,
-                    allow_unoptimized=config.allow_unoptimized)
+                    allow_unoptimized=config.allow_unoptimized, **config.load_options())
 
 
-def _load_embed(name: str, config: ServerConfig, context: int | None) -> Any:
+def _load_embed(name: str, config: ServerConfig, context: int | None,
+                target: Target | None = None) -> Any:
     from localrun.server.embeddings import load_embedder
 
     return load_embedder(name, backend=config.backend, context=context,
-                         allow_unoptimized=config.allow_unoptimized)
+                         allow_unoptimized=config.allow_unoptimized, target=target)

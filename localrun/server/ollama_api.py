@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from localrun import __version__
+from localrun.formats.projector import sees_images
 from localrun.server.catalog import (
     ollama_ps,
     on_disk,
@@ -166,6 +167,8 @@ async def show(request: Request) -> Any:
                              m.kind == "embed", i.path if paths else None)
             if getattr(m.handle, "reasoning", None) is not None:  # localrun.Model.reasoning
                 body["capabilities"].append("thinking")
+            if getattr(getattr(m.handle, "_session", None), "accepts_images", False):
+                body["capabilities"].append("vision")
             return JSONResponse(body)
     not_found = APIError(404, f"model '{model}' not found (neither loaded nor on disk; "
                          f"POST /api/pull to download it)", param="model",
@@ -182,6 +185,8 @@ async def show(request: Request) -> Any:
     body = show_body(fmt, arch, quant, ctx, embeds, path if paths else None)
     if not embeds and await asyncio.to_thread(_thinks, path):
         body["capabilities"].append("thinking")
+    if not embeds and await asyncio.to_thread(sees_images, path):
+        body["capabilities"].append("vision")
     return JSONResponse(body)
 
 
@@ -260,19 +265,19 @@ def _status_of(e: BaseException) -> int:
 
 def _pull(model: str, backend: str, emit: Any) -> None:
     from localrun import hub
-    from localrun.planning.plan import plan_fetch
+    from localrun.resolve import plan_target
 
     emit({"status": "pulling manifest"})
-    _, fetch = plan_fetch(model, backend=backend)
-    if fetch is None or fetch.local_path is not None:
+    download = plan_target(model, backend=backend).download  # planned once
+    if download is None or download.local_path is not None:  # on disk already
         emit({"status": "success"})
         return
-    fetch.require_fit()
+
     def progress(p: Any) -> None:
         emit({"status": f"pulling {p.file.rsplit('/', 1)[-1]}", "digest": p.file,
               "total": p.file_total or 0, "completed": p.file_done})
 
-    hub.fetch(fetch, progress=progress)
+    hub.fetch(download, progress=progress)  # refuses a model that does not fit first
     emit({"status": "verifying sha256 digest"})
     emit({"status": "writing manifest"})
     emit({"status": "success"})

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from localrun.server import responses_store as rs
 from localrun.server.errors import APIError, bad_request, unsupported
+from localrun.server.imagefetch import fetch_image_urls, has_image_urls
 from localrun.server.jobs import Job
 from localrun.server.protocol import responses as rq
 from localrun.server.protocol import responses_out as ro
@@ -130,6 +131,12 @@ async def create(request: Request) -> Any:
                            "sent with store: false, or belongs to another API key)",
                            param="previous_response_id", code="previous_response_not_found")
         gen = req.continued(gen, previous)
+    if has_image_urls(gen.messages):  # fetched here, or refused: the library never fetches
+        from localrun.server.state import state_of
+
+        assert gen.messages is not None
+        gen.messages = await fetch_image_urls(
+            gen.messages, state_of(request).config.allow_image_urls, "input")
     items = [rq.stored_item(i) for i in req.items()]
     turns = (previous or []) + rq.to_messages(req.items())
     size = _size(items) + _size(turns) if store is not None and keep else 0

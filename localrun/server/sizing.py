@@ -1,15 +1,15 @@
 """What a served model takes in memory: its estimate before it loads (from its files or
-its Hub plan), and what running several sequences at once adds (its batcher's slots,
-what its engine keeps between calls). :mod:`localrun.server.manager` decides with these
+its Hub plan), and once loaded what its engine holds for one request and for several at
+once (:class:`Batch`, from ``Model.footprint``). :mod:`localrun.server.manager` decides with these
 which models fit beside each other."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from localrun.backends.base import Footprint, loaded_estimate
 from localrun.errors import LocalrunError
 from localrun.server.config import ServerConfig
 from localrun.types import ModelInfo
@@ -21,42 +21,30 @@ if TYPE_CHECKING:
 Kind = Literal["chat", "embed"]
 
 
-def footprint(base: int, kv: int, slots: int, reserved: int | None) -> int:
-    """Bytes a model runs ``slots`` sequences at once in: ``base`` (weights, overhead,
-    one KV cache) plus what its batcher holds beyond that (``reserved``: llama.cpp's
-    batch context, a KV cache per slot of its own; 0 where the sequences share the
-    model's KV cache), or where that is not fixed (None: MLX, each sequence's cache
-    growing with it), one KV cache of ``kv`` bytes per sequence beyond the first."""
-    return base + (reserved if reserved is not None else (slots - 1) * kv)
-
-
 @dataclass(frozen=True)
 class Batch:
-    """What a model just loaded would run at once (``want``), and what its batcher holds
-    beyond the model's own: ``per_slot`` bytes for each slot, where it is not built yet
-    and will hold that from the start (llama.cpp's KV streams); else ``reserved``, what
-    the batcher built holds (see :func:`footprint`). ``kept``: what the engine keeps
-    between calls for KV reuse (``Model.kept_cache_bytes``)."""
+    """What a model just loaded would run at once (``want``) and what its engine holds
+    for it (``Model.footprint``, the one memory contract): ``one`` for one sequence
+    (nothing built for more), ``most`` for ``want`` at once. Its batcher may not be built
+    yet (llama.cpp's, sized first): ``most`` then counts what it will reserve per slot."""
 
     want: int
-    per_slot: int = 0
-    reserved: int | None = 0
-    kept: int = 0
+    one: Footprint
+    most: Footprint
 
-    def reserved_at(self, slots: int) -> int | None:
-        """What the batcher holds with ``slots`` of them (none at 1: none is built)."""
-        if slots == 1:
-            return 0
-        return slots * self.per_slot if self.per_slot else self.reserved
+    def at(self, slots: int) -> Footprint:
+        """What the engine holds running ``slots`` (1 to ``want``) at once: per slot as
+        ``most`` counts them (none at 1: no batcher is built)."""
+        return self.one if slots == 1 else replace(self.most, slots=slots)
 
-    def size(self, base: int, kv: int, slots: int) -> int:
-        """Bytes the model runs ``slots`` at once in (``base``: for one sequence)."""
-        return footprint(base, kv, slots, self.reserved_at(slots)) + self.kept
+    def size(self, slots: int) -> int:
+        """Bytes the model runs ``slots`` at once in, with what it keeps between calls."""
+        return self.at(slots).total
 
-
-def kept_bytes(handle: Any, kind: Kind) -> int:
-    """What a chat model keeps between calls beyond its KV cache (embedders: nothing)."""
-    return int(handle.kept_cache_bytes) if kind == "chat" else 0
+    @staticmethod
+    def alone(one: Footprint) -> Batch:
+        """A model that runs one request at a time."""
+        return Batch(1, one, one)
 
 
 def available_ram() -> int:
@@ -65,77 +53,67 @@ def available_ram() -> int:
     return available_ram_bytes()
 
 
+def plan_model(name: str, context: int | None, config: ServerConfig) -> Target:
+    """The Target of a model the server is about to load (:func:`localrun.resolve.plan_target`
+    with the server's engine and context): a name not on disk is planned on the Hub here,
+    once, and its estimate, engine and files go on to the loader."""
+    from localrun.resolve import plan_target
+
+    return plan_target(name, backend=config.backend, context=context or config.context,
+                       allow_unoptimized=config.allow_unoptimized)
+
+
 def estimate_bytes(name: str, context: int | None, config: ServerConfig,
                    target: Target | None = None) -> int | None:
     """Memory a model will take (weights + KV cache + overhead), before loading it.
 
-    From the files for a model on disk (``target``: where it was found already); from
-    the Hub plan for one that is not (None when neither can say: the library's own fit
-    check then decides)."""
-    from localrun.resolve import resolve_local
-
+    ``target``: the model resolved already (:func:`plan_model`, or where
+    :func:`~localrun.server.copies.identify` found it on disk), else resolved here. A
+    model on disk is sized from its files at the context asked for; one not downloaded
+    yet by its plan. None when neither can say (the library's own fit check then
+    decides)."""
     ctx = context or config.context
-    try:
-        if target is None:
-            target = resolve_local(name, backend=config.backend,
-                                   allow_unoptimized=config.allow_unoptimized)
-    except LocalrunError:
-        target = None
-    except Exception:
-        return None
-    if target is not None:
-        est = estimate_path(target.path, ctx, target.backend, target.device)
+    if target is None:
+        try:
+            target = plan_model(name, ctx, config)
+        except Exception:
+            return None
+    if not target.fetched:
+        est = with_adapters(target.estimate, config.adapters)
         return est.total_bytes if est is not None else None
-    try:
-        from localrun.planning.plan import plan_fetch
-
-        _, fetch = plan_fetch(name, backend=config.backend, context=ctx,
-                              allow_unoptimized=config.allow_unoptimized)
-    except Exception:
-        return None
-    return fetch.memory.total_bytes if fetch is not None else None
+    est = with_adapters(estimate_path(target.path, ctx, target.backend, target.device),
+                        config.adapters)
+    return est.total_bytes if est is not None else None
 
 
 def estimate_loaded(info: ModelInfo, context: int | None) -> MemoryEstimate | None:
-    """A loaded model's memory, at the context it was loaded with."""
-    return estimate_path(info.path, info.context_length or context, info.backend,
-                          info.device)
+    """A loaded model's memory, at the context it was loaded with (its LoRA adapters'
+    files counted): an embedder's size (a chat model's is its ``footprint``)."""
+    from localrun.backends import engine_memory
+
+    if info.context_length is None and context:
+        info = replace(info, context_length=context)
+    return loaded_estimate(info, engine_memory(info.backend, info.device))
+
+
+def with_adapters(est: MemoryEstimate | None, adapters: Any) -> MemoryEstimate | None:
+    """``est`` with the bytes of the LoRA adapters loaded with the model."""
+    if est is None or not adapters:
+        return est
+    from localrun.adapters import adapters_bytes
+
+    return replace(est, adapter_bytes=adapters_bytes(adapters))
 
 
 def estimate_path(path: str, context: int | None, backend: str | None = None,
-                   device: str | None = None) -> MemoryEstimate | None:
-    """The memory of the model at ``path`` on ``backend`` (on ``device``): its KV cache
-    in the element size that engine allocates there, and its overhead."""
-    from localrun.formats.detect import OPENVINO_MODEL_FILES, folder_bytes
-    from localrun.memory import (
-        context_window,
-        estimate,
-        shape_from_config,
-        shape_from_gguf_metadata,
-        shape_from_openvino_ir,
-    )
+                  device: str | None = None) -> MemoryEstimate | None:
+    """The memory of the model at ``path`` on ``backend`` (on ``device``):
+    :func:`localrun.memory.local_estimate` with that engine's memory row; None when its
+    files cannot be read."""
+    from localrun.backends import engine_memory
+    from localrun.memory import local_estimate
 
-    p = Path(path)
     try:
-        if p.is_file():
-            weights = p.stat().st_size
-            from localrun.formats.gguf import read_gguf
-
-            shape = shape_from_gguf_metadata(read_gguf(p, check_size=False).metadata)
-        else:
-            weights = folder_bytes(p)  # as far as detection looks (bounded)
-            shape = None
-            for cfg in ("config.json", "genai_config.json"):
-                if (p / cfg).is_file():
-                    shape = shape_from_config(json.loads((p / cfg).read_text("utf-8")))
-                    if shape is not None:
-                        break
-            for ir in OPENVINO_MODEL_FILES if shape is None else ():
-                if (p / ir).is_file():  # an IR without its config.json: its KV state
-                    shape = shape_from_openvino_ir((p / ir).read_text("utf-8", "replace"))
-                    break
+        return local_estimate(Path(path), context, engine=engine_memory(backend, device))
     except (OSError, ValueError, LocalrunError):
         return None
-    ctx = context_window(context, shape.trained_context if shape else None)
-    return estimate(weights, shape, ctx, backend=backend, device=device)
-

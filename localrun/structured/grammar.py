@@ -23,6 +23,7 @@ bounds kept), so no value of the grammar is longer than the schema's strings all
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -65,11 +66,18 @@ def llguidance() -> Any:
 
 def json_grammar(schema: dict[str, Any]) -> str:
     """The llguidance grammar (its JSON form) for one JSON value of ``schema``, its
-    numbers bounded (:func:`~localrun.structured.bounds.bounded_schema`)."""
+    numbers bounded (:func:`~localrun.structured.bounds.bounded_schema`). Compiled once
+    per schema: the API's check and the engine's matcher share it."""
+    # the schema's JSON text, in its own key order (the order a grammar writes them in)
+    return _json_grammar(json.dumps(schema, ensure_ascii=False))
+
+
+@functools.lru_cache(maxsize=64)
+def _json_grammar(schema_json: str) -> str:
     llg = llguidance()
     try:
-        grammar: str = llg.LLMatcher.grammar_from_json_schema(bounded_schema(schema),
-                                                              overrides=JSON_OPTIONS)
+        grammar: str = llg.LLMatcher.grammar_from_json_schema(
+            bounded_schema(json.loads(schema_json)), overrides=JSON_OPTIONS)
     except ValueError as e:
         raise UnsupportedSchemaError("the schema", str(e)) from e
     return grammar
@@ -79,12 +87,18 @@ def check_schema(schema: dict[str, Any], label: str = "the schema") -> None:
     """Raise :class:`UnsupportedSchemaError` if llguidance cannot enforce ``schema``.
 
     Needs no tokenizer, so the API checks every schema before it touches an engine: the
-    same schema is refused the same way on every engine.
+    same schema is refused the same way on every engine. The grammar it compiles is the
+    one the engine's matcher gets (:func:`json_grammar`).
     """
-    llg = llguidance()
-    error = llg.LLMatcher.validate_grammar(json_grammar(schema))
+    error = _grammar_error(json_grammar(schema))
     if error:
         raise UnsupportedSchemaError(label, error)
+
+
+@functools.lru_cache(maxsize=64)
+def _grammar_error(grammar: str) -> str:
+    error: str = llguidance().LLMatcher.validate_grammar(grammar)
+    return error
 
 
 def _lark_text(s: str) -> str:

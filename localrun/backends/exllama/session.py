@@ -131,6 +131,9 @@ class ExLlamaSession(Session):
         self._add_bos = adds_bos(template, tokenizer_json)
         self._stop = stop_token_ids(gen_config, config, getattr(tokenizer, "eos_token_id", None))
         self.sampling_defaults = sampling_defaults(gen_config)
+        #: footprint: the generator's jobs share the one cache of the context (its
+        #: batcher reserves nothing: per_slot 0)
+        self.memory_facts = SPECS[self.engine]
         self.info = ModelInfo(
             backend=self.engine,
             engine_version=installed_version(SPECS[self.engine]) or "unknown",

@@ -32,6 +32,7 @@ from localrun.backends.exllama.constraints import exllamav2_filter
 from localrun.backends.exllama.errors import engine_import_error
 from localrun.backends.exllama.options import KVCache
 from localrun.backends.exllama.session import ExLlamaSession, LoadInputs
+from localrun.backends.exllama.speculative import draft_arguments
 from localrun.backends.exllama.vram import ContextChoice, SplitPlan, kv_bytes_per_token
 from localrun.errors import InvalidOptionError
 from localrun.memory import ModelShape
@@ -192,8 +193,13 @@ class ExLlamaV2Session(ExLlamaSession):
             cache = cache_cls(model, max_seq_len=choice.cache_tokens, lazy=False)
         self._cache = cache
         tokenizer = ex.Tokenizer(cfg)
+        draft: dict[str, Any] = {}
+        if inputs.request.draft_model:  # speculative decoding (.speculative)
+            draft = draft_arguments(ex, inputs.request.draft_model, tokenizer,
+                                    str(inputs.folder), cache_cls=cache_cls,
+                                    cache_tokens=choice.cache_tokens)
         self.generator = ex.Generator(model=model, cache=cache, tokenizer=tokenizer,
-                                      paged=paged)
+                                      paged=paged, **draft)
         self._batching = paged  # unpaged: the generator runs one sequence at a time
         self.paged = paged
         self.split = split

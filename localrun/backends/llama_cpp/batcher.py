@@ -26,9 +26,19 @@ is cut where recomputing the rest keeps those pieces' kernels
 clean context while it stays under 256 cells (past that, a split-KV kernel may part
 them, as in llama-server). Constraints and log probabilities are per sequence, as there.
 
+**Speculative decoding** (prompt lookup: :mod:`~localrun.backends.ngram`'s drafts from
+the sequence's own tokens). A sequence decoded in a decode of its own (alone, or where
+this build runs a decode per sequence) verifies its drafts in that decode, each row drawn
+from its own sampler chain, under the auto policy (:class:`~..speculative.Governor`, one
+cost :class:`~..speculative.History` for the batch context), as the single path does
+(:mod:`.speculative`: the same exact-mode limit); sequences decoded together do not draft
+(the batch is already their win). A draft model drafts on the single path only.
+
 **KV reuse.** A slot keeps the cells of the sequence that last ran in it; a new prompt
-takes the free slot sharing the longest usable prefix (the previous prompt's cells, not
-its reply's; at least :data:`MIN_REUSE` tokens, else the least recently used slot),
+takes the free slot sharing the longest usable prefix (by default every common cell,
+the reply's included: :func:`~.reuse.fast_prefix`; with ``exact``, the previous
+prompt's cells, not its reply's, as above; at least :data:`MIN_REUSE` tokens, else the
+least recently used slot),
 trims it and prefills the rest, or copies a longer prefix from another slot when that
 saves at least :data:`MIN_COPY` tokens. Measurements: docs/results/llama_batch.md.
 """
@@ -38,19 +48,25 @@ from __future__ import annotations
 import codecs
 import ctypes
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from localrun.adapters import Active
 from localrun.backends.base import Batcher, GenerationStats, Prompt
 from localrun.backends.llama_cpp.engine import Engine
 from localrun.backends.llama_cpp.memory import batch_slots, kv_bytes_per_token, stream_tokens
 from localrun.backends.llama_cpp.openmp import release_pool
-from localrun.backends.llama_cpp.reuse import reusable_prefix
+from localrun.backends.llama_cpp.reuse import fast_prefix, reusable_prefix
 from localrun.backends.llama_cpp.sampling import sequence_chain
 from localrun.backends.logprobs import llama_row
+from localrun.backends.ngram import NgramDrafter
 from localrun.backends.prefix import common_prefix
+from localrun.backends.speculative import Governor, History, Timer
 from localrun.errors import GenerationError, LocalrunError
 from localrun.sampling import ResolvedSampling
 from localrun.structured.grammar import TokenMask
+
+if TYPE_CHECKING:
+    from localrun.backends.llama_cpp.speculative import Speculation
 
 #: Common prefix (tokens) that makes a slot worth taking for its cells: below it (a
 #: chat template's first line) the least recently used slot is taken, so that the
@@ -64,8 +80,9 @@ class _Seq:
     """One sequence in flight: its tokens (prompt, then reply), how many of them have KV
     cells in its slot, and its own sampler chain, grammar matcher and UTF-8 decoder."""
 
-    __slots__ = ("chain", "decoder", "key", "limit", "mask", "n_gen", "n_past",
-                 "n_prompt", "order", "out", "slot", "stats", "tokens", "top")
+    __slots__ = ("chain", "decoder", "drafter", "gov", "key", "limit", "lora", "mask",
+                 "n_gen", "n_past", "n_prompt", "order", "out", "slot", "stats", "text",
+                 "tokens", "top")
 
     def __init__(self, key: int, slot: int, tokens: list[int], n_past: int, limit: int,
                  chain: Any, mask: TokenMask | None, stats: GenerationStats,
@@ -84,12 +101,16 @@ class _Seq:
         self.out = -1  # row of this step's batch whose logits it samples from, or -1
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.top: int | None = None  # logprobs asked: the alternatives per token
+        self.lora: Active = ()  # the adapter set it runs under (adapters.py)
+        self.gov: Governor | None = None  # speculating: its drafts' governor ...
+        self.drafter: NgramDrafter | None = None  # ... and the n-grams they come from
+        self.text: str | None = None  # the prompt's text (fast mode: replies.py)
 
 
 class _Slot:
     """One KV stream: the sequence running in it, or the tokens whose cells it kept."""
 
-    __slots__ = ("cells", "id", "prompt", "seq", "used")
+    __slots__ = ("cells", "id", "lora", "prompt", "seq", "used")
 
     def __init__(self, sid: int) -> None:
         self.id = sid
@@ -97,6 +118,7 @@ class _Slot:
         self.cells: list[int] = []  # when idle: the tokens at positions 0 .. len-1
         self.prompt = 0  # ... the first of which were its sequence's prompt
         self.used = 0.0  # perf_counter() when its last sequence ended (LRU)
+        self.lora: Active = ()  # the adapter set its cells were computed under
 
     def held(self) -> tuple[list[int], int]:
         """The tokens whose cells the slot holds, and how many of them were prompt."""
@@ -111,13 +133,17 @@ class LlamaCppBatcher(Batcher):
     module docstring): ``capacity`` slots of ``n_ctx_seq`` tokens each."""
 
     def __init__(self, engine: Engine, capacity: int, n_ctx_seq: int,
-                 together: int | None = None) -> None:
+                 together: int | None = None, *, exact: bool = True,
+                 speculation: Speculation | None = None) -> None:
         import numpy as np
 
         lc = engine.lc
         llm = engine.llm
         self._lc = lc
         self._engine = engine
+        self.exact = exact  # False: keep every common cell (module docstring)
+        self._speculation = speculation  # the session's (its mode, draft length, limit)
+        self._history = History()  # what a verify batch costs in this context
         self.capacity = capacity
         self.n_ctx_seq = n_ctx_seq
         self.reserved_bytes = capacity * n_ctx_seq * kv_bytes_per_token(engine)  # its KV
@@ -193,11 +219,23 @@ class LlamaCppBatcher(Batcher):
             return
         grammar = self._engine.grammar
         mask = grammar.mask(sampling.constraint) if sampling.constraint is not None else None
-        slot, keep = self._place(tokens)
+        loras = self._engine.loras
+        lora = loras.key(sampling.adapters) if loras is not None else ()
+        slot, keep = self._place(tokens, lora)
         self._admitted += 1
         chain = sequence_chain(self._engine, sampling, mask)
         seq = _Seq(key, slot.id, tokens, keep, limit, chain, mask, stats, self._admitted)
+        seq.lora = slot.lora = lora
         seq.top = sampling.logprobs if stats.logprobs is not None else None
+        seq.text = None if self.exact else prompt.text
+        spec = self._speculation
+        mode = spec.mode_for(sampling, sampling.speculative) if spec is not None else "off"
+        if spec is not None and mode != "off":
+            from localrun.backends.llama_cpp.speculative import SPLIT_KV_CELLS
+
+            seq.gov = Governor("auto" if mode == "auto" else "prompt-lookup", self._history,
+                               spec.draft_max,
+                               limit=SPLIT_KV_CELLS - 1 if spec.exact else None)
         slot.seq = seq
         self._seqs[key] = seq
         stats.prefill_tokens = len(tokens) - keep
@@ -218,7 +256,9 @@ class LlamaCppBatcher(Batcher):
         sample = lc.llama_sampler_sample
         drawn: list[tuple[_Seq, int]] = []
         decoding = [q for q in live if q.n_gen and q.n_past == len(q.tokens) - 1]
-        if len(decoding) >= self.together:  # one decode (slot order: consecutive streams)
+        if len(decoding) >= self.together and len({q.lora for q in decoding}) == 1:
+            # one decode (slot order: consecutive streams); under several adapter sets,
+            # a decode each (below), each under its own
             t0 = time.perf_counter()
             self._decode([(q, 1) for q in decoding], live, "decode")
             for q in decoding:
@@ -229,11 +269,16 @@ class LlamaCppBatcher(Batcher):
                 q.stats.decode_seconds += dt
         else:  # a decode each, faster on this build (see calibrate); drawn at once
             for q in decoding:
+                if q.gov is not None and self._speculate(q, live, events):
+                    continue
                 t0 = time.perf_counter()
                 self._decode([(q, 1)], live, "decode")
                 drawn.append((q, self._scored(q, sample(q.chain.sampler, ctx, q.out))))
                 q.stats.decode_tokens += 1
-                q.stats.decode_seconds += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                q.stats.decode_seconds += dt
+                if q.gov is not None:
+                    self._history.plain(dt)
         rows = 0
         for q in sorted((q for q in live if not q.n_gen or q.n_past < len(q.tokens) - 1),
                         key=lambda q: q.order):
@@ -249,6 +294,66 @@ class LlamaCppBatcher(Batcher):
         for q, token in drawn:
             self._take(q, token, events)
         return events
+
+    def _speculate(self, q: _Seq, live: list[_Seq],
+                   events: list[tuple[int, str | None]]) -> bool:
+        """One speculative round for ``q``: its last token and the drafts its governor
+        takes, in one decode of their own, each row drawn from ``q``'s chain while the
+        drafts match; the rows past the last kept one lose their cells. False: no
+        drafts this round (decode it plainly)."""
+        gov, drafter = q.gov, q.drafter
+        assert gov is not None
+        if drafter is None:  # counted once its first token is out, not in its TTFT
+            drafter = q.drafter = NgramDrafter(q.tokens)
+        n_past = q.n_past  # == len(q.tokens) - 1: the last token has no cells yet
+        # drafts past the slot's context or the token limit could never be kept
+        room = min(self.n_ctx_seq - n_past - 1, q.limit - q.n_gen - 1)
+        proposal = drafter.draft(min(gov.draft_max, room)) if room > 0 else []
+        k = gov.length(len(proposal), n_past) if proposal else 0
+        if k <= 0:
+            return False
+        drafts = proposal[:k]
+        rows = [q.tokens[n_past], *drafts]
+        n, np = len(rows), self._np
+        self._token[:n] = rows
+        self._pos[:n] = np.arange(n_past, n_past + n, dtype=np.int32)
+        self._sid[:n] = q.slot
+        self._logits[:n] = 1
+        self._batch.n_tokens = n
+        if self._engine.loras is not None:
+            self._engine.loras.use(self._ctx, q.lora)
+        if self._mode != "prefill":  # a batch of tokens: llama.cpp's batch threads
+            self._lc.llama_set_n_threads(self._ctx, *self._threads["prefill"])
+            self._mode = "prefill"
+        with Timer() as t:
+            rc = self._lc.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            self._forget_cells(live)
+            raise GenerationError("llama.cpp", f"llama_decode returned {rc} for a verify "
+                                  f"batch of {n} tokens")
+        self._history.batch(n, t.seconds)
+        sample, is_eog = self._lc.llama_sampler_sample, self._engine.is_eog
+        taken: list[int] = []
+        while True:  # row i's token: a kept draft while it matches drafts[i]
+            token = int(sample(q.chain.sampler, self._ctx, len(taken)))
+            taken.append(token)
+            if len(taken) > k or token != drafts[len(taken) - 1] or is_eog(token):
+                break
+        # the drafts kept: every row's token but the last, and the last too where it
+        # is a draft itself (an end-of-generation token the text had)
+        last = len(taken) - 1
+        gov.record(k, last + (last < k and taken[last] == drafts[last]))
+        keep = n_past + len(taken)  # the last token's and the kept drafts' cells
+        if keep < n_past + n:
+            self._lc.llama_memory_seq_rm(self._mem, q.slot, keep, -1)
+        q.n_past = keep
+        q.stats.decode_tokens += len(taken)
+        q.stats.decode_seconds += t.seconds
+        for token in taken:
+            if q.key not in self._seqs:
+                break  # ended (the token limit, an end-of-generation token)
+            self._take(q, token, events)
+        return True
 
     def _scored(self, seq: _Seq, token: int) -> int:
         """``token``, with its log-probability entry kept first when asked for: from the
@@ -276,6 +381,8 @@ class LlamaCppBatcher(Batcher):
                 self._end(seq, events)
                 return
         seq.tokens.append(token)
+        if seq.drafter is not None:
+            seq.drafter.extend((token,))
         seq.n_gen += 1
         seq.stats.completion_tokens = seq.n_gen
         piece = seq.decoder.decode(self._engine.piece(token))
@@ -296,6 +403,8 @@ class LlamaCppBatcher(Batcher):
         for seq in list(self._seqs.values()):
             self._ended.append((seq.key, None))
             self._release(seq)
+        if self._engine.loras is not None:
+            self._engine.loras.forget(ctx)
         self._lc.llama_free(ctx)
 
     def calibrate(self, repeats: int = 3) -> int:
@@ -336,9 +445,10 @@ class LlamaCppBatcher(Batcher):
 
     # -- placing a new sequence ------------------------------------------------------------
 
-    def _place(self, tokens: list[int]) -> tuple[_Slot, int]:
+    def _place(self, tokens: list[int], lora: Active = ()) -> tuple[_Slot, int]:
         """The slot a new prompt runs in, and how many of its tokens already have cells
-        there (trimmed to them, copied from another slot when that saves enough)."""
+        there (trimmed to them, copied from another slot when that saves enough); cells
+        count only in a slot whose cells were computed under the same adapter set."""
         free = [s for s in self._slots if s.seq is None]
         if not free:
             raise LocalrunError(f"all {self.capacity} llama.cpp batch slots are busy",
@@ -353,7 +463,11 @@ class LlamaCppBatcher(Batcher):
         n, chunk = len(tokens), self._n_chunk
 
         def reuse(slot: _Slot) -> int:
+            if slot.lora != lora:
+                return 0
             cells, prompt = slot.held()
+            if not self.exact:
+                return fast_prefix(n, common_prefix(cells, tokens))
             return reusable_prefix(n, common_prefix(cells, tokens), chunk, prompt)
 
         reuses = {s.id: reuse(s) for s in self._slots}
@@ -399,6 +513,8 @@ class LlamaCppBatcher(Batcher):
         """One llama_decode of ``k`` next tokens of each sequence; the logits of a
         sequence's last token are kept (``seq.out``) when that is the last it has."""
         np = self._np
+        if self._engine.loras is not None:  # every sequence of one decode shares its set
+            self._engine.loras.use(self._ctx, feed[0][0].lora)
         if mode != self._mode:
             self._lc.llama_set_n_threads(self._ctx, *self._threads[mode])
             self._mode = mode
@@ -441,6 +557,13 @@ class LlamaCppBatcher(Batcher):
         slot.used = time.perf_counter()
         del self._seqs[seq.key]
         seq.chain.close()
+        if seq.text is not None and seq.stats.error is None:
+            self._engine.remember(seq.text, seq.tokens[:seq.n_prompt],
+                                  seq.tokens[seq.n_prompt:])
+        if seq.gov is not None:
+            seq.stats.drafted_tokens = seq.gov.drafted
+            seq.stats.accepted_tokens = seq.gov.accepted
+            seq.gov.finish()
 
     def _forget_cells(self, live: list[_Seq]) -> None:
         """After a failed decode: what the slots hold is no longer known; clear them."""
@@ -449,10 +572,12 @@ class LlamaCppBatcher(Batcher):
             seq.n_past = 0
 
 
-def make_batcher(engine: Engine, max_concurrency: int | None) -> LlamaCppBatcher | None:
+def make_batcher(engine: Engine, max_concurrency: int | None, *, exact: bool = True,
+                 speculation: Speculation | None = None) -> LlamaCppBatcher | None:
     """The batcher for a loaded model: the slots that fit, at most ``max_concurrency``
     (None: no batcher where fewer than 2 fit)."""
     capacity, _ = batch_slots(engine, max_concurrency)
     if capacity < 2:
         return None
-    return LlamaCppBatcher(engine, capacity, stream_tokens(engine))
+    return LlamaCppBatcher(engine, capacity, stream_tokens(engine), exact=exact,
+                           speculation=speculation)

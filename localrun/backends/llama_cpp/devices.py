@@ -54,11 +54,10 @@ def free_vram(kind: str, indices: Sequence[int]) -> list[int] | None:
     vendor = VRAM_VENDOR.get(kind)
     if vendor is None:
         return None
-    from localrun.hardware import detect_hardware
+    from localrun.hardware import gpus_now
 
-    detect_hardware.cache_clear()
-    gpus = [g for g in detect_hardware().gpus if g.vendor == vendor
-            and (not indices or g.index in indices)]
+    # that vendor's driver alone: the machine's profile is probed once per process
+    gpus = [g for g in gpus_now(vendor) if not indices or g.index in indices]
     sizes = [g.memory_free for g in sorted(gpus, key=lambda g: g.index)]
     if not gpus or (indices and len(gpus) != len(indices)) or any(s is None for s in sizes):
         return None

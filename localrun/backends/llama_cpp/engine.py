@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+from localrun.backends.llama_cpp.adapters import Loras
+from localrun.backends.llama_cpp.replies import Replies
 from localrun.backends.logprobs import Scorer
 from localrun.memory import ModelShape
 from localrun.structured.grammar import LazyGrammar, tokenizer_from_llama
@@ -17,7 +19,7 @@ class Engine:
     """One loaded ``llama_cpp.Llama`` (``llm``) and the llama-cpp-python module (``lc``)."""
 
     def __init__(self, lc: Any, llm: Any, *, shape: ModelShape | None,
-                 kv_element_bytes: float) -> None:
+                 kv_element_bytes: float, loras: Loras | None = None) -> None:
         self.lc = lc
         self.llm = llm
         self.ctx = llm._ctx.ctx  # the llama_context pointer of llm's own context
@@ -33,6 +35,10 @@ class Engine:
         self._pieces: dict[int, bytes] = {}
         self.scorer = Scorer(self.piece)  # log probabilities (backends/logprobs.py)
         self.grammar = LazyGrammar("llama.cpp", self._llg_tokenizer, self.n_vocab)
+        #: the LoRA adapters loaded on the model (adapters.py), None without any
+        self.loras = loras
+        #: recent sequences' texts with their token ids (replies.py: fast mode)
+        self.replies = Replies()
 
     def piece(self, token: int) -> bytes:
         """The bytes of one token (special tokens render as nothing), memoized."""
@@ -46,6 +52,16 @@ class Engine:
             piece = buf.raw[: max(n, 0)]
             self._pieces[token] = piece
         return piece
+
+    def is_special(self, token: int) -> bool:
+        """A control token (a template's markers) or an end of generation."""
+        return bool(self.lc.llama_vocab_is_control(self.vocab, token)) or self.is_eog(token)
+
+    def remember(self, text: str | None, tokens: list[int], reply: list[int]) -> None:
+        """A finished sequence: its prompt's text and tokens and its reply's tokens."""
+        if text is not None and reply:
+            said = b"".join(self.piece(t) for t in reply).decode("utf-8", errors="replace")
+            self.replies.remember(text + said, [*tokens, *reply])
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends a generation (EOS, EOT and the like)."""

@@ -44,6 +44,10 @@ SPEC = BackendSpec(
         "use_mlock": ("bool", "lock the weights in RAM (default False)"),
         "rope_freq_base": ("number", "RoPE base frequency (default: the model's)"),
         "rope_freq_scale": ("number", "RoPE frequency scale (default: the model's)"),
+        "mmproj": ("text", "the vision projector GGUF for images (default: the "
+                           "mmproj*.gguf beside the model, if any)"),
+        "image_tokens": ("int", "most image tokens one image takes; larger images are "
+                                "scaled down (default 1024)"),
     },
     aliases=("llama-cpp", "llamacpp", "llama_cpp", "llama-cpp-python", "gguf"),
     builds=(),

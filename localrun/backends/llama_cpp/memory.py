@@ -9,13 +9,15 @@ from typing import Any
 
 from localrun.backends.llama_cpp.engine import Engine
 from localrun.backends.llama_cpp.facts import KV_TYPES
+from localrun.memory import available_ram_bytes, budget
 
 #: Most sequences in flight. A decode step costs little more for 8 sequences than for 2
 #: on a small CPU (docs/results/llama_batch.md), so 8 give the most tokens/s; more would
 #: mostly add KV memory.
 MAX_CAPACITY = 8
 #: Bytes the batch context's KV cache may take (capacity x the session's KV cache), and
-#: at most a quarter of the RAM available when the batcher is built.
+#: at most a quarter of the RAM available when the batcher is built: the ``reserve`` of
+#: the one budget policy (:func:`localrun.memory.budget`).
 KV_BUDGET = 2 << 30
 
 
@@ -44,16 +46,14 @@ def stream_tokens(engine: Engine) -> int:
 
 def batch_capacity(stream_bytes: int, available: int | None) -> int:
     """Slots that fit: each holds ``stream_bytes`` of KV cache (the session's context)."""
-    budget = KV_BUDGET if available is None else min(KV_BUDGET, available // 4)
-    return int(min(MAX_CAPACITY, budget // max(stream_bytes, 1)))
+    room = budget(available, reserve=KV_BUDGET)
+    return int(min(MAX_CAPACITY, room // max(stream_bytes, 1)))
 
 
 def batch_slots(engine: Engine, max_concurrency: int | None) -> tuple[int, int]:
     """The slots a batcher would have if built now (those that fit, at most
     ``max_concurrency``; under 2: no batcher) and the bytes of KV cache each holds (a
     stream of the session's whole context), without building it."""
-    from localrun.memory import available_ram_bytes
-
     stream = stream_tokens(engine) * kv_bytes_per_token(engine)
     fit = batch_capacity(stream, available_ram_bytes())
     return min(fit, max_concurrency or MAX_CAPACITY), stream  # a stream per slot

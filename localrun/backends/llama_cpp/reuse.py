@@ -1,8 +1,9 @@
-"""Which cached KV cells of a llama.cpp context a new prompt may keep, so that its tokens
-come out as ``Llama.generate`` computes them for the whole prompt: the rule of both the
-single path (the session) and the batcher. llama.cpp's CPU kernels are not
-batch-invariant; :func:`reusable_prefix` says why and what that keeps
-(docs/results/llama_batch.md)."""
+"""Which cached KV cells of a llama.cpp context a new prompt keeps: by default every cell
+of the common prefix (:func:`fast_prefix`); with ``exact``, only those that let its
+tokens come out as ``Llama.generate`` computes them for the whole prompt
+(:func:`reusable_prefix`). The rule of both the single path (the session) and the
+batcher. llama.cpp's CPU kernels are not batch-invariant; :func:`reusable_prefix` says
+why and what that keeps (docs/results/llama_batch.md)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,11 @@ def reusable_prefix(n_prompt: int, common: int, chunk: int, cached_prompt: int) 
     elif end - keep == 1 < end - start:  # one token alone takes a split-KV kernel
         keep = end - 2
     return keep
+
+
+def fast_prefix(n_prompt: int, common: int) -> int:
+    """The default mode's cells to keep: every cell of the ``common`` prefix, the
+    previous reply's included (computed a token at a time: a reply may then differ from
+    a cold cache's, as llama-server's ``cache_prompt`` makes it), less the last prompt
+    token, which is always fed (its logits are drawn from)."""
+    return max(min(common, n_prompt - 1), 0)

@@ -56,12 +56,14 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from localrun.backends._worker import Relay
 from localrun.backends.base import (
     Batcher,
+    Footprint,
     GenerationStats,
     LoadRequest,
     Prompt,
@@ -78,15 +80,17 @@ from localrun.backends.hf_config import (
 )
 from localrun.backends.installed import installed_version, missing
 from localrun.backends.logprobs import PROMPT_ROWS, Scorer, TokenBytes, check_ids
+from localrun.backends.mlx.adapters import adapter_path, load_error, scale_layers
 from localrun.backends.mlx.batcher import CAPACITY, MLXBatcher
 from localrun.backends.mlx.engine import Engine, shared_worker
 from localrun.backends.mlx.facts import SPEC
 from localrun.backends.mlx.reuse import PrefixCache
 from localrun.backends.mlx.sampling import reuse_processors, seeded_sampler, with_raw
+from localrun.backends.mlx.speculative import load_draft, speculative_steps
 from localrun.backends.options import check_options
 from localrun.errors import ChatTemplateError, LocalrunError, ModelFileError
 from localrun.memory import context_window
-from localrun.sampling import ResolvedSampling
+from localrun.sampling import ResolvedSampling, check_speculative
 from localrun.structured.constraint import Constraint
 from localrun.structured.grammar import LazyGrammar, TokenMask, tokenizer_in_folder
 from localrun.types import CancelToken, FinishReason, Message, ModelInfo, TokenLogprob
@@ -164,12 +168,16 @@ class MLXSession(Session):
         self._mx = mx
         self._generate_step = generate_step
         worker = shared_worker()
+        lora = adapter_path(request.adapters)
         try:
-            loaded: Any = worker.call(lambda: mlx_lm.load(str(path)))
+            loaded: Any = worker.call(lambda: mlx_lm.load(str(path), adapter_path=lora))
         except Exception as e:
+            if lora is not None and isinstance(e, ValueError):
+                raise load_error(lora, str(path), e) from e
             raise ModelFileError(str(path), f"mlx-lm could not load it "
                                  f"({type(e).__name__}: {str(e).strip()[:300]})") from e
         model, tok = loaded[0], loaded[1]
+        worker.call(lambda: scale_layers(model, request.adapters))
         eos = frozenset(set(tok.eos_token_ids) | eos_ids(gen_config, config))
         vocab = config.get("vocab_size")
         self._engine: Engine | None = Engine(
@@ -200,9 +208,15 @@ class MLXSession(Session):
             architecture=architecture(config),
             name=str(config.get("_name_or_path") or path.name),
             device=device,
+            adapters=request.adapters,
         )
-        self.kept_cache_bytes = self._engine.prefixes.most_bytes(_context_kv_bytes(
+        self._kept = self._engine.prefixes.most_bytes(_context_kv_bytes(
             config, self.info.context_length or 0, device))
+        #: speculative decoding: mlx-lm's, with a draft model (.speculative)
+        self._speculative = check_speculative(request.speculative) or "auto"
+        self._draft: Any = None
+        if request.draft_model:
+            self._draft = load_draft(worker, request.draft_model, tok, str(path))
 
     # -- encoding ---------------------------------------------------------------------
 
@@ -228,6 +242,13 @@ class MLXSession(Session):
     # -- log probabilities (localrun.backends.logprobs) ----------------------------------
 
     features = frozenset({"logprobs", "top", "echo", "tokens"})
+    memory_facts = SPEC
+
+    def footprint(self, slots: int | None = None) -> Footprint:
+        """Each sequence's KV cache grows with it (the batcher reserves nothing: a slot
+        counts as one KV cache of the context); kept: the prompt caches of recent calls
+        (:mod:`.reuse`: a few, within 1 GiB, or the last one's whatever it takes)."""
+        return replace(super().footprint(slots), kept=self._kept)
 
     @property
     def engine(self) -> Engine:
@@ -281,9 +302,21 @@ class MLXSession(Session):
         entries, top = stats.logprobs, sampling.logprobs or 0  # None: not asked
         procs, raw = with_raw(reuse_processors(sampling, mask, tokens, reused),
                               entries is not None)
-        steps = self._generate_step(
-            self._mx.array(tokens[reused:]), engine.model, max_tokens=limit,
-            sampler=seeded_sampler(sampling), prompt_cache=cache, logits_processors=procs)
+        mode = sampling.speculative or self._speculative
+        draft = self._draft if mode in ("auto", "draft") and mask is None and \
+            entries is None else None
+        counts = [0, 0]  # drafted, accepted
+        if draft is not None:  # its own cache (target and draft layers): no reuse
+            reused = 0
+            procs = reuse_processors(sampling, None, tokens, 0)
+            steps = speculative_steps(engine.model, draft, self._mx.array(tokens),
+                                      max_tokens=limit, sampler=seeded_sampler(sampling),
+                                      processors=procs, counts=counts)
+        else:
+            steps = self._generate_step(
+                self._mx.array(tokens[reused:]), engine.model, max_tokens=limit,
+                sampler=seeded_sampler(sampling), prompt_cache=cache,
+                logits_processors=procs)
         reason: FinishReason = "length"
         t0 = time.perf_counter()
         t_first = t_last = 0.0
@@ -314,7 +347,9 @@ class MLXSession(Session):
             stats.prefill_seconds = t_first - t0 if t_first else 0.0
             stats.decode_tokens = max(n - 1, 0)
             stats.decode_seconds = t_last - t_first if n > 1 else 0.0
-        engine.prefixes.keep(tokens + given, cache)  # for the next call (not after an error)
+            stats.drafted_tokens, stats.accepted_tokens = counts
+        if draft is None:  # for the next call (not after an error)
+            engine.prefixes.keep(tokens + given, cache)
         return reason, tail
 
     def generate(self, prompt: Prompt, sampling: ResolvedSampling, cancel: CancelToken,
@@ -341,6 +376,8 @@ class MLXSession(Session):
             stats.prefill_seconds = engine_stats.prefill_seconds
             stats.decode_tokens = engine_stats.decode_tokens
             stats.decode_seconds = engine_stats.decode_seconds
+            stats.drafted_tokens = engine_stats.drafted_tokens
+            stats.accepted_tokens = engine_stats.accepted_tokens
 
     # -- batching (.batcher) ---------------------------------------------------------------
 
@@ -357,6 +394,7 @@ class MLXSession(Session):
 
     def close(self) -> None:
         engine, self._engine = self._engine, None
+        self._draft = None
         if engine is not None:
             batcher, self._batcher = self._batcher, None
             if batcher is not None:

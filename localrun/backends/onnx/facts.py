@@ -17,9 +17,9 @@ SPEC = BackendSpec(
             "-e cpu",
     min_compute=None,  # the CUDA build follows ONNX Runtime's; localrun checks none
     options={
-        "SETTLE": ("bool", "recompute a finished reply's KV rows as a prefill in the "
-                           "background, so that the next turn reuses them with exact "
-                           "output (default true)"),
+        "SETTLE": ("bool", "with exact=True: recompute a finished reply's KV rows as a "
+                           "prefill in the background, so that the next turn reuses them "
+                           "with exact output (default true)"),
     },
     aliases=("onnxruntime-genai", "onnxruntime_genai", "ort", "onnx-genai"),
     builds=(Build("onnxruntime-genai-cuda", "cuda", "onnx-cuda"),

@@ -1,5 +1,7 @@
-"""Which of a kept Generator's rows a new prompt may reuse, so that prefilling the rest
-gives bit for bit the rows and logits of a fresh prefill of the whole prompt.
+"""Which of a kept Generator's rows a new prompt reuses: by default every row of the
+common prefix (:func:`fast_reusable`); with ``exact``, those that let prefilling the
+rest give bit for bit the rows and logits of a fresh prefill of the whole prompt
+(:func:`reusable`).
 
 ONNX Runtime's CPU kernels (MLAS) multiply the int4 weights in tiles of
 :data:`ROW_TILE` prompt rows, counted from the first row of each ``append_tokens``, and
@@ -40,3 +42,11 @@ def reusable(cached: Any, prompt: Any) -> int:
     if (n - common) % ROW_TILE == 1:
         return common - 1
     return common
+
+
+def fast_reusable(cached: Any, prompt: Any) -> int:
+    """The default mode's rows to keep: every row of the common prefix (a reply's rows
+    included, computed a token at a time: a reply may then differ from a cold cache's),
+    less the last prompt token, which always runs again for its logits."""
+    limit = min(len(cached), len(prompt) - 1)
+    return common_prefix(cached[:limit], prompt[:limit]) if limit > 0 else 0

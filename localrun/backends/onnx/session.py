@@ -13,11 +13,13 @@ whether or not the cache was reused), and costs less than the engine's at top_p 
 
 **KV reuse across calls.** The session keeps one ``og.Generator`` (one KV cache) from
 call to call; a call ``rewind_to``-s the longest prefix it shares with the previous
-prompt and prefills only the rest. Only rows that a fresh prefill of the new prompt
-computes bit for bit the same are reused (:func:`~.reuse.reusable`: the CPU kernels
-tile prompt rows, and a tile of one row takes another kernel), so greedy output with
-reuse is the output without, token for token (tests/test_onnx_kv_reuse.py; checked on
-CPU only).
+prompt and prefills only the rest. By default every row it holds is reused, the
+previous reply's included (:func:`~.reuse.fast_reusable`): the next turn of a chat
+prefills only its new message. With ``exact`` only rows that a fresh prefill of the new
+prompt computes bit for bit the same are reused (:func:`~.reuse.reusable`: the CPU
+kernels tile prompt rows, and a tile of one row takes another kernel), so greedy output
+with reuse is the output without, token for token (tests/test_onnx_kv_reuse.py; checked
+on CPU only); then:
 
 * The previous **prompt**'s rows, always.
 * The previous **reply**'s rows once they are *settled*: a reply's rows come from
@@ -80,7 +82,7 @@ from localrun.backends.logits_sampler import LogitsSampler
 from localrun.backends.logprobs import Scorer, TokenBytes, check_ids, onnx_prompt
 from localrun.backends.onnx.devices import config_device, parse_device, require_build
 from localrun.backends.onnx.facts import SPEC
-from localrun.backends.onnx.reuse import ROW_TILE, reusable
+from localrun.backends.onnx.reuse import ROW_TILE, fast_reusable, reusable
 from localrun.backends.options import check_options
 from localrun.errors import (
     ChatTemplateError,
@@ -161,7 +163,9 @@ class OnnxGenAISession(Session):
         self._settled.set()
         self._broken = False  # a settle failed: the next call drops the Generator
         settle = check_options(SPEC, request.options).get("SETTLE", True)
-        self._settle_delay: float | None = SETTLE_DELAY if settle else None  # None: off
+        self.exact = request.exact  # False: every row is reused, nothing to settle
+        self._settle_delay: float | None = (SETTLE_DELAY if settle and self.exact
+                                            else None)  # None: off
         if request.device:
             provider, index = parse_device(request.device)
             device = provider + (f":{index}" if index is not None else "")
@@ -242,6 +246,8 @@ class OnnxGenAISession(Session):
         return Prompt(check_ids("onnx", tokens, self._vocab))
 
     features = frozenset({"logprobs", "top", "echo", "tokens"})  # backends/logprobs.py
+    #: footprint: one sequence at a time (no batcher), in its one KV cache of the context
+    memory_facts = SPEC
 
     def prompt_logprobs(self, prompt: Prompt, top: int) -> list[TokenLogprob]:
         """A fresh prefill in the kept Generator (logprobs.onnx_prompt): its rows then
@@ -309,7 +315,7 @@ class OnnxGenAISession(Session):
                 self._drop_generator()
             # the last generated token is chosen, never appended: prompt + limit - 1 rows
             generator = self._generator(n + limit)
-            keep = reusable(self._cached, tokens)
+            keep = (reusable if self.exact else fast_reusable)(self._cached, tokens)
             self._cached = _NOTHING  # until the prefill below has succeeded
             t0 = time.perf_counter()
             try:
@@ -387,13 +393,26 @@ class OnnxGenAISession(Session):
             stats.decode_tokens = max(stats.completion_tokens - 1, 0)
             stats.decode_seconds = t_last - t_first if stats.decode_tokens else 0.0
             if healthy and reply:
-                self._start_settle(call, generator, tokens, reply)
+                if self.exact:
+                    self._start_settle(call, generator, tokens, reply)
+                else:
+                    self._keep_reply(call, generator, tokens, reply)
 
     def _check_newest(self, call: int) -> None:
         """Refuse a stream left open while a newer call ran (it took the Generator)."""
         if self._calls != call:
             raise GenerationError("onnx", "a newer call on this model took over its "
                                   "generator; finish or close a stream before the next")
+
+    def _keep_reply(self, call: int, generator: Any, tokens: Any, reply: list[int]) -> None:
+        """The default mode: the rows the reply left (every reply token but the last,
+        which was chosen, never appended) are reused as they are by the next call."""
+        import numpy as np
+
+        with self._lock:
+            if self._calls == call and self._gen is generator and len(reply) > 1:
+                self._cached = np.concatenate(
+                    (tokens, np.asarray(reply[:-1], dtype=np.int32)))
 
     # -- settling: the reply's rows recomputed as a prefill, off the critical path -------
 

@@ -87,7 +87,7 @@ def cpu_kv_precision(props: dict[str, Any], paged: bool) -> str:
         raise LocalrunError(
             f"KV_CACHE_PRECISION='f32' needs f32 compute, not {compute}: paged attention "
             f"keeps its cache in the compute precision or quantized",
-            hint=f"leave INFERENCE_PRECISION_HINT out (localrun computes in f32), use "
+            hint=f"add INFERENCE_PRECISION_HINT='f32' (or load with exact=True), use "
                  f"KV_CACHE_PRECISION='{compute}', or load with ATTENTION_BACKEND='SDPA' "
                  f"(one sequence at a time, no KV reuse)")
     return str(given)

@@ -33,8 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from localrun.backends.openvino.constraints import openvino_structured_config
+from localrun.backends.openvino.speculative import configure
 from localrun.backends.openvino.text import DecodeMany
 from localrun.sampling import ResolvedSampling
+from localrun.types import SpeculativeMode
 
 #: Tokens the scheduler may process in one step (prefill chunks + one per decoding
 #: sequence). The engine default (256) splits the prefill of a batch of short chat
@@ -78,6 +80,8 @@ class Engine:
     pipe: Any
     eos: frozenset[int]  # every end-of-sequence id
     decode_many: DecodeMany  # the tokenizer's batch decode
+    #: the pipeline's own speculative decoding (.speculative), None: none
+    speculative: SpeculativeMode | None = None
 
     def config(self, sampling: ResolvedSampling) -> Any:
         """The ``GenerationConfig`` of one sequence (the module docstring's table)."""
@@ -102,4 +106,5 @@ class Engine:
             so = openvino_structured_config(self.og, sampling.constraint)
             if so is not None:
                 cfg.structured_output_config = so
+        configure(cfg, self.speculative)
         return cfg

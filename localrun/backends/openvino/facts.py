@@ -45,6 +45,8 @@ SPEC = BackendSpec(
                                     "of the context, at most 1024)"),
         "GENERATE_HINT": (("FAST_COMPILE", "BEST_PERF"), "NPU: decode-stage compilation"),
         "PREFILL_HINT": (("DYNAMIC", "STATIC"), "NPU: prefill-stage shapes"),
+        "image_tokens": ("int", "a vision model (VLMPipeline): most image tokens one "
+                                "image takes; larger images are scaled down (default 1024)"),
     },
     aliases=("openvino-genai", "openvino_genai", "ov"), builds=(),
     # f32 KV cache on the CPU, where the session sets it (the GPU and NPU plugins keep

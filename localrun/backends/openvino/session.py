@@ -50,7 +50,9 @@ from localrun.backends.openvino.constraints import mapped_error, openvino_struct
 from localrun.backends.openvino.devices import cpu_kv_precision, npu_lengths, ov_device
 from localrun.backends.openvino.engine import SIZE_MAX, Engine, open_pipeline
 from localrun.backends.openvino.facts import SPEC
+from localrun.backends.openvino.speculative import pipeline_properties
 from localrun.backends.openvino.text import Detokenizer, TextWindow
+from localrun.backends.openvino.vision import OpenVINOVisionSession, is_vlm
 from localrun.backends.options import check_options
 from localrun.errors import (
     ChatTemplateError,
@@ -83,6 +85,9 @@ class OpenVINOSession(Session):
     #: through it too, so its prefix cache serves every call and one pipeline is loaded.
     batch_alone = False
     _batcher: Batcher | None = None
+    #: footprint: the batcher's sequences share the KV cache pages of the context (it
+    #: reserves nothing: per_slot 0); its prefix cache's cells are in those pages too
+    memory_facts = SPEC
 
     def batcher(self) -> Batcher | None:
         """The ContinuousBatchingPipeline every sequence runs through (openvino_batch.py);
@@ -138,25 +143,30 @@ class OpenVINOSession(Session):
             props["INFERENCE_NUM_THREADS"] = request.threads
         props.update(options)
         if device.startswith("CPU"):
-            # f32 unless told otherwise. Where the plugin computes in bf16 (AVX-512 BF16,
-            # AMX) a prompt's reply depended on where its keys and values came from:
-            # the same seed sampled differently on a prompt's first call than on later
-            # ones (its prefix then from the cache), and greedy replies changed with
-            # reuse and with batching. In f32 they are the same token for token, at some
-            # prefill and batch throughput on such a CPU (docs/results/kv_reuse.md).
-            props.setdefault("INFERENCE_PRECISION_HINT", "f32")
+            if request.exact:
+                # f32 unless told otherwise. Where the plugin computes in bf16 (AVX-512
+                # BF16, AMX) a prompt's reply depended on where its keys and values came
+                # from: the same seed sampled differently on a prompt's first call than
+                # on later ones (its prefix then from the cache), and greedy replies
+                # changed with reuse and with batching. In f32 they are the same token
+                # for token, at some prefill and batch throughput on such a CPU
+                # (docs/results/kv_reuse.md). By default: the plugin's own precision.
+                props.setdefault("INFERENCE_PRECISION_HINT", "f32")
             props["KV_CACHE_PRECISION"] = cpu_kv_precision(props, paged)
         self.load_properties = dict(props)
+        # its own speculative decoding (.speculative): prompt lookup or a draft model
+        spec_mode, spec_props = pipeline_properties(ov_genai, request, device,
+                                                    ov_genai.Tokenizer)
         self._pipe: Any
         try:
             if paged:
                 # the CPU plugin refuses ATTENTION_BACKEND: it is LLMPipeline's
                 self._pipe = open_pipeline(str(path), device, {
-                    k: v for k, v in props.items() if k != "ATTENTION_BACKEND"},
-                    context=context, prefix_caching=prefix_caching)
+                    k: v for k, v in props.items() if k != "ATTENTION_BACKEND"}
+                    | spec_props, context=context, prefix_caching=prefix_caching)
                 engine_cfg = self._pipe.get_config()
             else:
-                self._pipe = ov_genai.LLMPipeline(str(path), device, **props)
+                self._pipe = ov_genai.LLMPipeline(str(path), device, **props, **spec_props)
                 engine_cfg = self._pipe.get_generation_config()
             self._tok = self._pipe.get_tokenizer()
         except RuntimeError as e:
@@ -172,7 +182,8 @@ class OpenVINOSession(Session):
         if 0 <= engine_cfg.eos_token_id < SIZE_MAX:
             eos.add(engine_cfg.eos_token_id)
         self._eos = frozenset(eos)
-        self._engine = Engine(ov_genai, self._pipe, self._eos, self._tok.decode)
+        self._engine = Engine(ov_genai, self._pipe, self._eos, self._tok.decode,
+                              speculative=spec_mode)
         if paged:
             self._batcher = openvino_batch.ContinuousBatcher(self._engine)
             self.batch_alone = True
@@ -343,4 +354,12 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
-BACKEND = SessionBackend("openvino", OpenVINOSession)
+def open_session(request: LoadRequest) -> Session:
+    """A vision-language model's folder on VLMPipeline (:mod:`.vision`), else the LLM
+    pipelines."""
+    if is_vlm(request.path):
+        return OpenVINOVisionSession(request)
+    return OpenVINOSession(request)
+
+
+BACKEND = SessionBackend("openvino", open_session)

@@ -36,6 +36,7 @@ import httpx2
 
 from localrun.backends.base import (
     Batcher,
+    Footprint,
     GenerationStats,
     LoadRequest,
     Prompt,
@@ -384,6 +385,10 @@ class RemoteSession(Session):
     def count_tokens(self, text: str) -> int:
         return self._client.tokenize(self.model_id, text)
 
+    def served_name(self, sampling: ResolvedSampling) -> str:
+        """The model a request names on the server (vLLM: the adapter it runs under)."""
+        return self.model_id
+
     # -- generation -------------------------------------------------------------------
 
     def generate(self, prompt: Prompt, sampling: ResolvedSampling, cancel: CancelToken,
@@ -392,7 +397,7 @@ class RemoteSession(Session):
             raise LocalrunError("The remote backend was given a prompt it did not encode",
                                 hint="pass messages or text to Model.chat/complete")
         chat = prompt.messages is not None
-        body = request_body(self.model_id, prompt, sampling)
+        body = request_body(self.served_name(sampling), prompt, sampling)
         pieces = 0
         calls = CallWriter(primed=prompt.forced)
         for event in self._request("/chat/completions" if chat else "/completions", body,
@@ -430,6 +435,15 @@ class RemoteSession(Session):
         if self._batcher is None:
             self._batcher = RequestBatcher(self.generate, self.info.backend)
         return self._batcher
+
+    def footprint(self, slots: int | None = None) -> Footprint:
+        """The model runs in another process: on another machine (nothing here; no
+        :attr:`memory_facts`), or in vLLM's server on this one (its estimate), whose KV
+        cache is allocated up front and shared by the sequences (per_slot 0)."""
+        capacity = self.batcher().capacity
+        est = self.estimate() if self.memory_facts is not None else None
+        return Footprint(min(slots or capacity, capacity),
+                         est.total_bytes if est is not None else 0, 0, 0)
 
     def _request(self, path: str, body: dict[str, Any], cancel: CancelToken
                  ) -> Iterator[dict[str, Any]]:

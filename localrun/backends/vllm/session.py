@@ -41,13 +41,16 @@ from localrun.backends.base import LoadRequest, SessionBackend
 from localrun.backends.installed import missing
 from localrun.backends.options import check_options
 from localrun.backends.remote.session import OpenAIClient, RemoteSession
+from localrun.backends.vllm.adapters import lora_flags, served_adapter
 from localrun.backends.vllm.env import INSTALL_HINT, VllmEnv, find_vllm
 from localrun.backends.vllm.facts import SPEC
+from localrun.backends.vllm.speculative import speculative_args
 from localrun.backends.vllm.startup import Startup, StartupCallback, listener
 from localrun.errors import (
     ConstrainedDecodingUnavailableError,
     VllmStartError,
 )
+from localrun.sampling import ResolvedSampling
 from localrun.structured.constraint import Constraint
 
 log = logging.getLogger("localrun.vllm")
@@ -261,6 +264,8 @@ def startup_progress_log(p: Startup) -> None:
 
 
 class VllmSession(RemoteSession):
+    memory_facts = SPEC  # footprint: RemoteSession's, with this machine's estimate
+
     def __init__(self, request: LoadRequest, *, progress: StartupCallback | None = None
                  ) -> None:
         opts = check_options(SPEC, request.options)
@@ -287,9 +292,11 @@ class VllmSession(RemoteSession):
                           model_flag=env.model_flag)
         flags, auto_tools = tool_flags(request.path, opts.get("extra_args"))
         args += flags
+        args += lora_flags(request.adapters)
+        args += speculative_args(request.speculative, request.draft_model)  # .speculative
         #: whether tool_choice="auto" can work (the model's template shows it the tools)
         self.auto_tools = auto_tools
-        report = progress or listener() or startup_progress_log
+        report = progress or request.on_startup or listener() or startup_progress_log
         self.process = VllmProcess(env.command, args, port, env=child_env)
         try:
             self.process.wait_healthy(timeout, report)
@@ -303,7 +310,12 @@ class VllmSession(RemoteSession):
 
         self.info = replace(self.info, engine_version=env.version or "unknown",
                             format=request.format, path=request.path,
-                            device=request.device or "vllm")
+                            device=request.device or "vllm", adapters=request.adapters)
+        if request.adapters:  # each request names the adapter it runs under
+            self.features = self.features | {"adapters"}
+
+    def served_name(self, sampling: ResolvedSampling) -> str:
+        return served_adapter(self.model_id, sampling.adapters, self.info.adapters)
 
     def check_constraint(self, constraint: Constraint) -> None:
         if constraint.tag is not None and not self.auto_tools:  # tool_choice="auto"

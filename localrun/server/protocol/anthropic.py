@@ -20,9 +20,11 @@ HMAC-SHA256 of the thinking under a secret this server process draws at start, o
 clients. Thinking blocks sent back in an assistant turn go to the chat template (which
 shows or drops them, as the model's own does); their signatures are not checked.
 
-Refused with a 400 that says so: images and documents, server tools (web search, code
-execution, ...), redacted thinking. ``cache_control`` marks and ``metadata`` are accepted
-and change nothing (the engines reuse a prompt's cached cells by themselves).
+Image blocks (a base64 source, or a url one where the server fetches them) go to the
+model with the text around them (:mod:`.images`). Refused with a 400 that says so:
+documents, server tools (web search, code execution, ...), redacted thinking.
+``cache_control`` marks and ``metadata`` are accepted and change nothing (the engines
+reuse a prompt's cached cells by themselves).
 """
 
 from __future__ import annotations
@@ -48,16 +50,16 @@ from localrun.server.protocol.common import (
     never,
     refused,
 )
+from localrun.server.protocol.images import AnthropicImageBlock
 from localrun.types import Completion
 
 NAMES = {"stop": "stop_sequences", "response_format": "output_config.format",
          "thinking_budget": "thinking.budget_tokens", "think": "thinking",
          "reasoning_effort": "output_config.effort", "parallel_tool_calls":
          "tool_choice.disable_parallel_tool_use"}
-NO_IMAGES = ("images are not supported yet: localrun's engines take text (describe the "
-             "image in a text block)")
 BLOCK_REASONS = {
-    "image": NO_IMAGES, "document": "documents are not supported yet: send their text in a "
+    "image": "images in a tool result are not taken: send them in the user turn's content",
+    "document": "documents are not supported yet: send their text in a "
     "text block", "redacted_thinking": "redacted thinking is encrypted by the server that "
     "wrote it and localrun cannot read it: leave the block out"}
 #: Anthropic's effort levels as localrun's (above "high": no budget, as "high")
@@ -76,7 +78,7 @@ def signature(thinking: str) -> str:
 # -- requests ------------------------------------------------------------------------------
 
 class OtherBlock(Shape):
-    """A content block of a type localrun does not take (image, document, thinking, ...):
+    """A content block of a type localrun does not take (document, redacted thinking, ...):
     refused, saying why."""
 
     model_config = ConfigDict(json_schema_extra=never)
@@ -146,11 +148,13 @@ class ThinkingBlockParam(Shape):
 
 def _block_tag(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in ("text", "tool_use", "tool_result", "thinking") else "other"
+    return kind if kind in ("text", "tool_use", "tool_result", "thinking", "image") \
+        else "other"
 
 
 ContentBlockParam = Annotated[
     Annotated[TextBlockParam, Tag("text")] | Annotated[ToolUseBlockParam, Tag("tool_use")]
+    | Annotated[AnthropicImageBlock, Tag("image")]
     | Annotated[ToolResultBlockParam, Tag("tool_result")]
     | Annotated[ThinkingBlockParam, Tag("thinking")] | Annotated[OtherBlock, Tag("other")],
     Discriminator(_block_tag)]
@@ -196,7 +200,12 @@ class MessageParam(Shape):
         for b in self.content:
             if isinstance(b, ToolResultBlockParam):
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
-        if texts or not out:
+        if any(isinstance(b, AnthropicImageBlock) for b in self.content):  # in block order
+            out.append({"role": self.role, "content": [
+                b.to_library() if isinstance(b, AnthropicImageBlock) else
+                {"type": "text", "text": b.text} for b in self.content
+                if isinstance(b, (AnthropicImageBlock, TextBlockParam))]})
+        elif texts or not out:
             out.append({"role": self.role, "content": "\n".join(texts)})
         return out
 

@@ -276,9 +276,11 @@ class Generation:
         check_sampling(self.sampling, self.names)
         check_reasoning(self.reasoning, self.names)
         check_structured(self.structured, self.names)
-        if self.messages is not None:
-            try:
-                normalize_messages(self.messages)
+        from localrun.server.imagefetch import has_image_urls
+
+        if self.messages is not None and not has_image_urls(self.messages):  # else: later
+            try:  # kept normalized: each image is decoded here once, not again by the model
+                self.messages = normalize_messages(self.messages)  # type: ignore[assignment]
             except LocalrunError as e:
                 raise from_localrun(e, param=self.names.get("messages", "messages")) from None
         return self
@@ -402,8 +404,15 @@ async def respond(request: Any, endpoint: str, gen: Generation,
     before the first token is the answer's status; after it, the wire's error event."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
+    from localrun.server.imagefetch import fetch_image_urls, has_image_urls
     from localrun.server.jobs import Job
+    from localrun.server.state import state_of
 
+    if has_image_urls(gen.messages):  # fetched here, or refused: the library never fetches
+        assert gen.messages is not None
+        gen.messages = await fetch_image_urls(
+            gen.messages, state_of(request).config.allow_image_urls,
+            gen.names.get("messages", "messages"))
     try:
         job, first = await Job.generate(request, endpoint, gen.model, gen.call,
                                         context=gen.context, keep_alive=gen.keep_alive,

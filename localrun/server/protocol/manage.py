@@ -6,8 +6,9 @@ ends there.
 ``/api/create`` takes Ollama's current request (``model``, ``from``, ``system``,
 ``parameters``, ``messages``) and its older one (``name`` and ``modelfile``, the
 Modelfile's text, read as :mod:`localrun.naming.presetfile` reads a preset file). What makes a
-new model out of files (``files``, ``quantize``), LoRA adapters (``adapters``, until
-localrun loads them), and a Go ``template`` are refused with the reason.
+new model out of files (``files``, ``quantize``), uploaded LoRA adapters (``adapters``:
+adapters load from paths on the server, ``localrun create --adapter``), and a Go
+``template`` are refused with the reason.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ PARAMETERS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
               "num_predict": "max_tokens", "max_tokens": "max_tokens", "num_ctx": "context",
               "context": "context", "backend": "backend",
               "allow_unoptimized": "allow_unoptimized"}
-NO_ADAPTERS = ("localrun cannot load LoRA adapters yet; create the preset without them "
-               "(the base model with its system prompt and parameters)")
+NO_ADAPTERS = ("localrun takes no LoRA adapter uploads: an adapter loads from a path on the "
+               "server (localrun create NAME --from MODEL --adapter PATH there, or "
+               "localrun serve MODEL --lora PATH)")
 NO_FILES = ("a preset is made from a model localrun can already load: name it in 'from' "
             "(localrun pull NAME downloads one on the server)")
 

@@ -33,6 +33,7 @@ from localrun.server.protocol.common import (
     invalid,
     takes_only,
 )
+from localrun.server.protocol.images import ollama_images
 from localrun.server.protocol.openai import TEXT, TEXT_INPUTS, ToolParam
 from localrun.structured.calls import new_call_id
 from localrun.types import Chunk, Completion, TokenLogprob, chat_logprobs
@@ -61,7 +62,6 @@ NAMES = {"max_tokens": "options.num_predict", "temperature": "options.temperatur
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "stop", "cancelled": "stop"}
 #: Ollama's think levels (localrun's reasoning_effort names them alike)
 THINK_LEVELS = ("low", "medium", "high")
-NO_IMAGES = "image input is not supported by localrun's engines yet"
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -109,8 +109,6 @@ class OllamaMessage(Shape):
     tool_calls: list[OllamaToolCall] | None = None
     tool_name: str | None = None
     tool_call_id: str | None = None
-
-    REFUSED: ClassVar = {"images": ([], NO_IMAGES)}
 
 
 class Generating(Shape):
@@ -199,10 +197,11 @@ class GenerateRequest(Generating):
     REFUSED: ClassVar = {**Generating.REFUSED,
                          "suffix": ("", "fill-in-the-middle is not implemented"),
                          "template": ("", "localrun renders the model's own chat template"),
-                         "context": ([], "send the conversation to /api/chat instead"),
-                         "images": ([], NO_IMAGES)}
+                         "context": ([], "send the conversation to /api/chat instead")}
 
     def generation(self) -> Generation:
+        if self.raw and self.images:
+            raise bad_request("images need the chat template: leave raw out", "images")
         if self.raw and self.system:
             raise bad_request("'system' has no meaning with raw=true", "system")
         if self.raw and self.think not in (None, False):
@@ -219,8 +218,11 @@ class GenerateRequest(Generating):
         if self.raw:
             return Generation(self.model, prompt=self.prompt or "", **common).check()
         common["reasoning"] = self.thinking()
+        user: dict[str, Any] = {"role": "user", "content": self.prompt or ""}
+        if self.images:
+            user["images"] = ollama_images(self.images)
         messages = ([{"role": "system", "content": self.system}] if self.system else []) \
-            + [{"role": "user", "content": self.prompt or ""}]
+            + [user]
         return Generation(self.model, messages=messages, **common).check()
 
 
@@ -283,6 +285,8 @@ def _messages(raw: list[OllamaMessage]) -> list[dict[str, Any]]:
     calls_by_name: dict[str, str] = {}
     for m in raw:
         msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.images:
+            msg["images"] = ollama_images(m.images)
         if m.thinking is not None and m.role == "assistant":
             msg["reasoning_content"] = m.thinking
         if m.tool_calls:

@@ -12,9 +12,9 @@ replies per prompt, :data:`MAX_CHOICES` per request).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from localrun.server.errors import bad_request
 from localrun.server.protocol.common import (
@@ -26,6 +26,7 @@ from localrun.server.protocol.common import (
     refused,
     takes_only,
 )
+from localrun.server.protocol.images import OpenAIImagePart
 from localrun.server.protocol.openai_out import (
     FINGERPRINT,
     FINISH,
@@ -86,23 +87,32 @@ class ToolCallParam(Passed):
 
 
 class ContentPart(Shape):
-    """A part of a message's content: text parts only (localrun's engines take text)."""
+    """A text part of a message's content (image parts: :class:`OpenAIImagePart`)."""
 
     type: str = Field(json_schema_extra=takes_only({"const": "text"}))
     text: str | None = Field(default=None, json_schema_extra=takes_only({"type": "string"}))
 
     def refuse(self) -> None:
         if self.type != "text":
-            raise refused("", f"content parts of type {self.type!r} (only text parts are "
-                          "supported: localrun's engines take text)")
+            raise refused("", f"content parts of type {self.type!r} (localrun takes text and "
+                          "image_url parts)")
         if self.text is None:
             raise invalid("a text part needs 'text' (a string)", "text")
         super().refuse()
 
 
+def _part_tag(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "image_url" if kind == "image_url" else "text"
+
+
+Part = Annotated[Annotated[ContentPart, Tag("text")]
+                 | Annotated[OpenAIImagePart, Tag("image_url")], Discriminator(_part_tag)]
+
+
 class ChatMessage(Shape):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[Part] | None = None
     tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None
     name: str | None = None
@@ -121,9 +131,12 @@ class ChatMessage(Shape):
                           "omit it)", "content")
 
     def to_library(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(p.text or "" for p in content)
+        content: Any = self.content
+        if isinstance(content, list) and any(isinstance(p, OpenAIImagePart) for p in content):
+            content = [p.to_library() if isinstance(p, OpenAIImagePart) else
+                       {"type": "text", "text": p.text or ""} for p in content]
+        elif isinstance(content, list):
+            content = "".join(p.text or "" for p in content if isinstance(p, ContentPart))
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                "content": content}
         if self.tool_calls:
@@ -173,6 +186,15 @@ class ResponseFormat(Passed):
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
 
 
+class LoraEntry(Shape):
+    """One entry of llama-server's per-request ``lora``: a loaded adapter, by its index
+    (``id``, in load order) or ``name``, and its ``scale`` (unset: its load-time one)."""
+
+    id: Int | None = Field(default=None, ge=0)
+    name: str | None = None
+    scale: float | None = None
+
+
 class Sampled(Shape):
     """The fields Chat Completions and Completions share."""
 
@@ -195,6 +217,9 @@ class Sampled(Shape):
     service_tier: str | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
+    #: the LoRA adapters this reply runs under (llama-server's field): replaces the set
+    #: the model loaded with, adapters not listed are off, [] is the base model
+    lora: list[LoraEntry] | None = None
 
     #: OpenAI's bookkeeping, as ``user`` and ``metadata``: accepted, no effect
     IGNORED: ClassVar = ("prompt_cache_key", "safety_identifier")
@@ -220,7 +245,9 @@ class Sampled(Shape):
         out = {"max_tokens": self.max_tokens if max_tokens is None else max_tokens,
                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-               "seed": self.seed, "stop": tuple(s for s in stop if s) or None}
+               "seed": self.seed, "stop": tuple(s for s in stop if s) or None,
+               "adapters": None if self.lora is None else [
+                   e.model_dump(exclude_none=True) for e in self.lora]}
         return {k: v for k, v in out.items() if v is not None}
 
     @property
@@ -300,6 +327,7 @@ class ChatCompletionRequest(Sampled):
         reasoning, names = self.thinking()
         if new is not None:
             names["max_tokens"] = "max_completion_tokens"
+        names["adapters"] = "lora"
         return Generation(self.model, messages=[m.to_library() for m in self.messages],
                           sampling=sampling, structured=structured, reasoning=reasoning,
                           stream=bool(self.stream), n=self.n or 1, names=names).check()
@@ -367,7 +395,7 @@ class CompletionRequest(Sampled):
         return Generation(self.model, prompt=prompts[0],
                           prompts=prompts if len(prompts) > 1 else None, n=self.n or 1,
                           whole=whole, sampling=sampling, stream=bool(self.stream),
-                          names={"top_logprobs": "logprobs"}).check()
+                          names={"top_logprobs": "logprobs", "adapters": "lora"}).check()
 
 
 class EmbeddingRequest(Shape):

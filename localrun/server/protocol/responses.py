@@ -3,7 +3,8 @@ into a :class:`~.common.Generation`) and the items it carries. The answer, its s
 and the stored objects are in :mod:`.responses_out`.
 
 Supported: ``input`` as a string or a list of items — messages (``input_text`` /
-``output_text`` parts; roles user, assistant, system, developer), ``function_call`` and
+``output_text`` parts, ``input_image`` ones with a data: URI; roles user, assistant,
+system, developer), ``function_call`` and
 ``function_call_output``, Codex's ``custom_tool_call`` and ``custom_tool_call_output``,
 and ``reasoning`` items sent back (accepted, left out of the prompt) — ``instructions``,
 ``previous_response_id``, ``store``, function ``tools`` (the flat shape) and ``custom``
@@ -26,7 +27,7 @@ Accepted with no effect: ``include``, ``reasoning.summary``, ``truncation``,
 ``prompt_cache_retention``, ``safety_identifier``, ``client_metadata``,
 ``stream_options``, ``service_tier`` auto or default. Refused with a 400 that says why:
 built-in tools (web search, file search, computer use, code interpreter, image
-generation, MCP, shells), images and files, ``background``, ``conversation``,
+generation, MCP, shells), files, ``background``, ``conversation``,
 ``prompt``, ``max_tool_calls``, ``allowed_tools``, log probabilities, item references.
 
 ``parallel_tool_calls`` goes to the library as given: false, one call at most; true, a
@@ -52,6 +53,7 @@ from localrun.server.protocol.common import (
     refused,
     takes_only,
 )
+from localrun.server.protocol.images import InputImage
 
 #: the library's names → the Responses API's (errors name the field the client sent)
 NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
@@ -71,7 +73,6 @@ BUILT_IN = {
 ITEM_TYPES = ("message, function_call, function_call_output, custom_tool_call, "
               "custom_tool_call_output and reasoning")
 PART_REASONS = {
-    "input_image": "images are not supported yet: localrun's engines take text",
     "input_file": "files are not supported yet: send their text in an input_text part",
     "input_audio": "audio is not supported yet: localrun's engines take text"}
 LOGPROBS_LATER = "log probabilities are not available in the Responses API yet"
@@ -103,31 +104,35 @@ class RefusalPart(Shape):
 
 
 class OtherPart(Shape):
-    """A content part of a type localrun does not take (images, files, audio)."""
+    """A content part of a type localrun does not take (files, audio)."""
 
     model_config = ConfigDict(json_schema_extra=never)
     type: str
 
     def refuse(self) -> None:
         raise refused("", PART_REASONS.get(self.type, f"content parts of type {self.type!r} "
-                                           "(localrun takes input_text and output_text)"))
+                                           "(localrun takes input_text, output_text and "
+                                           "input_image)"))
 
 
 def _part_tag(value: Any) -> str:
     kind = _tag(value)
     if kind in ("input_text", "output_text", "text"):
         return "text"
-    return "refusal" if kind == "refusal" else "other"
+    return kind if kind in ("refusal", "input_image") else "other"
 
 
 ContentPart = Annotated[
     Annotated[TextPart, Tag("text")] | Annotated[RefusalPart, Tag("refusal")]
+    | Annotated[InputImage, Tag("input_image")]
     | Annotated[OtherPart, Tag("other")], Discriminator(_part_tag)]
 
 
 def _text(content: str | list[Any]) -> str:
     if isinstance(content, str):
         return content
+    if any(isinstance(p, InputImage) for p in content):
+        raise refused("", "images in a tool call's output (send them in a user message)")
     return "".join(p.text for p in content)
 
 
@@ -145,8 +150,14 @@ class MessageItem(Shape):
     IGNORED: ClassVar = ("phase",)
 
     def to_library(self) -> dict[str, Any]:
-        return {"role": "system" if self.role == "developer" else self.role,
-                "content": _text(self.content)}
+        role = "system" if self.role == "developer" else self.role
+        if isinstance(self.content, list) and any(isinstance(p, InputImage)
+                                                  for p in self.content):
+            return {"role": role, "content": [
+                p.to_library() if isinstance(p, InputImage) else {"type": "text",
+                                                                  "text": p.text}
+                for p in self.content if isinstance(p, (InputImage, TextPart, RefusalPart))]}
+        return {"role": role, "content": _text(self.content)}
 
 
 class FunctionCallItem(Shape):
