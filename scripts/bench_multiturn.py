@@ -116,7 +116,7 @@ def engine_turns(model: Any, cells: list[tuple[list[int], list[int]]], reps: int
     llm = model._session.engine.llm
     params = llm.context_params
     flash = params.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    setups = []
+    setups: list[tuple[Any, list[int], int, list[float]]] = []
     for prompt, held in (cells[1], cells[5]):
         raw = llama_cpp.Llama(model_path=llm.model_path, n_ctx=llm.n_ctx(),
                               n_threads=params.n_threads,
