@@ -116,16 +116,28 @@ def q41() -> localrun.Model:
     model.close()
 
 
+#: greedy, and seeded sampling
+SAMPLINGS: list[dict[str, Any]] = [GREEDY, {"temperature": 0.8, "seed": 7, "max_tokens": 96}]
+
+
+def lookup_equals_plain(model: localrun.Model, sampling: dict[str, Any]
+                        ) -> tuple[localrun.Completion, localrun.Completion]:
+    """COPY without speculation and with prompt lookup: the same text, the drafts
+    counted on the second only. Returns both replies."""
+    plain = model.chat(COPY, speculative="off", **sampling)
+    spec = model.chat(COPY, speculative="prompt-lookup", **sampling)
+    assert spec.text == plain.text
+    assert plain.timings.drafted_tokens == 0
+    t = spec.timings
+    assert t.drafted_tokens > 0 and 0 < t.accepted_tokens <= t.drafted_tokens, t
+    return plain, spec
+
+
 def test_llama_prompt_lookup_greedy_and_seeded_equal_plain_decoding_in_exact_mode(
         q41: localrun.Model) -> None:
     exact(q41)
-    for sampling in (GREEDY, {"temperature": 0.8, "seed": 7, "max_tokens": 96}):
-        plain = q41.chat(COPY, speculative="off", **sampling)
-        spec = q41.chat(COPY, speculative="prompt-lookup", **sampling)
-        assert spec.text == plain.text
-        assert plain.timings.drafted_tokens == 0
-        t = spec.timings
-        assert t.drafted_tokens > 0 and 0 < t.accepted_tokens <= t.drafted_tokens, t
+    for sampling in SAMPLINGS:
+        lookup_equals_plain(q41, sampling)
 
 
 def test_llama_fast_mode_speculates_past_the_exact_limit() -> None:
@@ -215,13 +227,8 @@ def test_llama_batcher_speculates_a_lone_sequence_and_replies_the_same() -> None
         session: Any = model._session
         assert session._batcher is not None and session.batch_alone
         replies = []
-        for sampling in (GREEDY, {"temperature": 0.8, "seed": 7, "max_tokens": 96}):
-            plain = model.chat(COPY, speculative="off", **sampling)
-            spec = model.chat(COPY, speculative="prompt-lookup", **sampling)
-            assert spec.text == plain.text
-            assert plain.timings.drafted_tokens == 0
-            t = spec.timings
-            assert t.drafted_tokens > 0 and 0 < t.accepted_tokens <= t.drafted_tokens, t
+        for sampling in SAMPLINGS:
+            plain, spec = lookup_equals_plain(model, sampling)
             assert spec.usage.completion_tokens == plain.usage.completion_tokens
             replies.append(plain.text)
         both = model.batch([COPY, COPY], speculative="prompt-lookup", **GREEDY)
